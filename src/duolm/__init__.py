@@ -1,0 +1,1 @@
+"""duolm: GPT-2 and BERT."""

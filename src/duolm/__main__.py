@@ -1,0 +1,3 @@
+from duolm.cli import main
+
+main()

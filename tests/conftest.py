@@ -1,0 +1,13 @@
+from pathlib import Path
+
+import pytest
+
+# ../shared/data beside the checkout (CI clones with shared/ beside it).
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    if not DATA.is_dir():
+        pytest.skip(f"reference data folder {DATA} is absent (it sits beside the checkout in CI)")
+    return DATA
