@@ -1,9 +1,19 @@
-"""duolm: GPT-2 and BERT, exact and small.
+"""duolm: GPT-2 and BERT — tokenizers, models, checkpoints, training, generation.
 
-The public names are loaded lazily, so `import duolm.tokenizers` does not pull in torch.
+    import duolm
+    model, tok = duolm.load("path/to/dir")     # duolm or Hugging Face directory
+    duolm.save(model, "out/", tokenizer=tok)   # format="hf" writes what transformers loads
+
+Names are imported lazily (PEP 562), so `import duolm.tokenizers` does not pull in torch.
 """
-import importlib
+from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
 _EXPORTS = {
     "load": "duolm.checkpoint",
     "save": "duolm.checkpoint",
@@ -17,12 +27,25 @@ _EXPORTS = {
     "WordPiece": "duolm.tokenizers",
     "generate": "duolm.generation",
 }
-__all__ = list(_EXPORTS)
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:
+    module = _EXPORTS.get(name)
+    if module is None:
         raise AttributeError(f"module 'duolm' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
     return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # for editors and type checkers; never executed
+    from duolm.checkpoint import load, save
+    from duolm.generation import generate
+    from duolm.models import GPT2, Bert, BertConfig, BertForPreTraining, GPT2Config, KVCache
+    from duolm.tokenizers import ByteLevelBPE, WordPiece
