@@ -22,6 +22,12 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tokenizers.py
 	$(BIN)/python benchmarks/models.py
+	$(BIN)/python benchmarks/generation.py
+	$(BIN)/python benchmarks/training.py
+	$(BIN)/python benchmarks/prepare.py
+
+demo: $(STAMP)
+	$(BIN)/python -m duolm demo -o runs/demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,120 @@
+"""`duolm demo` / `make demo`: both models from scratch on text every Python installation carries.
+
+No download: the corpus is the docstrings of the standard library's .py sources (read with `ast`, nothing
+is imported), or `--text FILE`. Trains a byte-level BPE and a small GPT-2 (prints validation loss,
+perplexity and samples), then a WordPiece and a small BERT with MLM + NSP (prints [MASK] predictions).
+Leaves runs/demo/ with tokenizers, prepared data, checkpoints, metrics.jsonl, tb/ and loss.png per model.
+L4: this file prints; it only wires library calls and the `pretrain` command together.
+"""
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import re
+import sysconfig
+import time
+from pathlib import Path
+
+SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
+
+
+def stdlib_docstrings(max_chars: int = 3_000_000) -> list[str]:
+    """Docstrings (module, class, function) of the standard library's sources, in a fixed order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 80:
+                    doc = inspect.cleandoc(doc)
+                    docs.append(doc)
+                    total += len(doc)
+                    if total >= max_chars:
+                        return docs
+    return docs
+
+
+def _sentences(doc: str) -> list[str]:
+    """Prose sentences of a docstring: paragraphs joined, split after . ! ? before a capital."""
+    text = " ".join(doc.split())
+    return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
+
+
+def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 300):
+    from duolm.checkpoint import load
+    from duolm.cli import main as duolm_main
+    from duolm.data import prepare
+    from duolm.generation import fill_mask, generate
+    from duolm.tokenizers import ByteLevelBPE, WordPiece
+    from duolm.train.logs import read_jsonl
+
+    t_start = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if text:
+        raw = Path(text).read_text(encoding="utf-8")
+        docs = [d.strip() for d in re.split(r"\n\s*\n", raw) if d.strip()]
+        source = text
+    else:
+        docs = stdlib_docstrings()
+        source = f"docstrings of the Python standard library ({sysconfig.get_paths()['stdlib']})"
+    corpus = "\n\n".join(docs)
+    print(f"== corpus: {len(docs):,} documents, {len(corpus) / 1e6:.1f} MB from {source}")
+    (out / "corpus.txt").write_text(corpus)
+
+    # --- GPT-2 ---------------------------------------------------------------------------------
+    t = time.time()
+    bpe = ByteLevelBPE.train([corpus[:1_500_000]], vocab_size=2048)
+    bpe.save(out / "bpe")
+    print(f"== byte-level BPE: {bpe.vocab_size} tokens in {time.time() - t:.0f}s")
+    prepare([out / "corpus.txt"], bpe, out / "data-gpt2", workers=2, val_fraction=0.02)
+    gpt2_run = out / "gpt2"
+    duolm_main(["pretrain", "gpt2", "--data", str(out / "data-gpt2"), "-o", str(gpt2_run), "--n-layer", "4",
+                "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "16",
+                "--max-steps", str(gpt2_steps), "--lr", "2e-3", "--warmup-steps", "30", "--eval-every",
+                str(max(gpt2_steps // 4, 1)), "--eval-batches", "8", "--checkpoint-every", str(max(gpt2_steps // 2, 1)),
+                "--dropout", "0.0"])
+    val = [r["val_loss"] for r in read_jsonl(gpt2_run / "metrics.jsonl") if "val_loss" in r]
+    print(f"== GPT-2 validation loss {val[0]:.3f} -> {val[-1]:.3f} (perplexity {math.exp(val[0]):.0f} -> "
+          f"{math.exp(val[-1]):.1f})")
+    model, tok = load(gpt2_run)
+    import torch
+    g = torch.Generator().manual_seed(0)
+    for prompt in ("Return the", "This module provides", "If the file"):
+        ids = tok.encode(prompt)
+        gen = generate(model, [ids], max_new_tokens=40, temperature=0.8, top_k=40, generator=g)
+        for _ in gen:
+            pass
+        print(f"   {prompt!r} -> {tok.decode(ids + gen.tokens[0])!r}")
+
+    # --- BERT ----------------------------------------------------------------------------------
+    t = time.time()
+    sent_docs = [s for s in (_sentences(d) for d in docs) if len(s) >= 2]
+    (out / "corpus-bert.txt").write_text("\n\n".join("\n".join(s) for s in sent_docs))
+    wp = WordPiece.train([s for d in sent_docs for s in d][:40_000], vocab_size=4000)
+    wp.save(out / "wordpiece")
+    print(f"== WordPiece: {wp.vocab_size} pieces in {time.time() - t:.0f}s; {len(sent_docs):,} documents of sentences")
+    prepare([out / "corpus-bert.txt"], wp, out / "data-bert", workers=2, val_fraction=0.02)
+    bert_run = out / "bert"
+    duolm_main(["pretrain", "bert", "--data", str(out / "data-bert"), "-o", str(bert_run), "--n-layer", "4",
+                "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "32",
+                "--max-steps", str(bert_steps), "--lr", "2e-3", "--warmup-steps", "30", "--eval-every",
+                str(max(bert_steps // 4, 1)), "--eval-batches", "8", "--checkpoint-every",
+                str(max(bert_steps // 2, 1)), "--masking", "dynamic"])
+    bert, wtok = load(bert_run)
+    for sentence in ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
+                     "Raise a [MASK] if the value is not valid."):
+        ids = wtok.encode(sentence).ids          # "[MASK]" in the text becomes the mask id
+        preds = fill_mask(bert, ids, wtok.mask_id, top_k=5)
+        shown = ", ".join(f"{wtok.decode([i])} {p:.2f}" for i, p in preds[0]) if preds else "-"
+        print(f"   {sentence!r}: {shown}")
+    print(f"== done in {(time.time() - t_start) / 60:.1f} min: {out}/gpt2 and {out}/bert hold checkpoints, "
+          f"metrics.jsonl, tb/ and loss.png")

@@ -1,0 +1,376 @@
+"""Training: schedule, objectives, accumulation, the loop's checkpoints / resume / SIGTERM / DDP, run logs.
+
+Tiny configs throughout; the subprocess tests (SIGKILL resume, torchrun) run the real `duolm pretrain`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duolm.models import GPT2, GPT2Config
+from duolm.train import (CAUSAL_LM, IGNORE, MLM_NSP, Objective, TrainConfig, causal_lm_loss, lr_at, mlm_nsp_loss,
+                         param_groups, train)
+from duolm.train.logs import crc32c, read_jsonl, read_scalars
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Windows:
+    """Synthetic causal-LM data with the duolm.data batch protocol: a pure function of the step.
+
+    Targets of some positions are IGNORE (a different number per row), so micro-batches hold unequal
+    numbers of predicted tokens - the case where averaging per micro-batch would be wrong.
+    """
+
+    def __init__(self, vocab=64, T=16, seed=0, holes=True):
+        g = torch.Generator().manual_seed(seed)
+        # a learnable sequence: mostly t -> t+1 (mod vocab) with noise
+        steps = torch.where(torch.rand(20000, generator=g) < 0.8, 1, torch.randint(0, vocab, (20000,), generator=g))
+        self.tokens = torch.cumsum(steps, 0) % vocab
+        self.vocab, self.T, self.seed, self.holes = vocab, T, seed, holes
+
+    def batch(self, step, batch_size, rank=0, world_size=1):
+        g = torch.Generator().manual_seed(self.seed * 100003 + step)
+        starts = torch.randint(0, len(self.tokens) - self.T - 1, (batch_size,), generator=g)
+        w = torch.stack([self.tokens[s:s + self.T + 1] for s in starts])
+        x, y = w[:, :-1].clone(), w[:, 1:].clone()
+        if self.holes:
+            for r in range(batch_size):
+                y[r, : int(torch.randint(0, self.T // 2, (1,), generator=g))] = IGNORE
+        b = batch_size // world_size
+        return {"x": x[rank * b:(rank + 1) * b], "y": y[rank * b:(rank + 1) * b]}
+
+    def eval_batches(self, batch_size, rank=0, world_size=1, max_batches=None):
+        return [self.batch(10 ** 6 + i, batch_size, rank, world_size) for i in range(max_batches or 2)]
+
+
+def tiny_gpt2(vocab=64, T=16, dropout=0.0, seed=0):
+    torch.manual_seed(seed)
+    return GPT2(GPT2Config(vocab_size=vocab, block_size=T, n_layer=2, n_head=2, n_embd=32, dropout=dropout))
+
+
+# --- pure functions --------------------------------------------------------------------------------
+
+def test_lr_schedule_worked_example():
+    cos = [lr_at(s, 1.0, warmup_steps=2, max_steps=6) for s in range(8)]
+    assert cos == pytest.approx([0.5, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5,
+                                 0.5 * (1 + math.cos(3 * math.pi / 4)), 0.0, 0.0])
+    lin = [lr_at(s, 1e-3, 4, 12, "linear", min_lr=1e-4) for s in (0, 3, 4, 8, 12)]
+    assert lin == pytest.approx([2.5e-4, 1e-3, 1e-3, 5.5e-4, 1e-4])
+    assert lr_at(100, 0.1, 10, 50, "constant") == 0.1
+    with pytest.raises(ValueError, match="decay"):
+        lr_at(0, 1.0, 0, 10, "exp")
+
+
+def test_weight_decay_groups():
+    model = tiny_gpt2()
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    nd = {names[id(p)] for p in no_decay["params"]}
+    assert nd and all(n.endswith("bias") or ".ln_" in n or n.startswith("ln_") for n in nd)
+    d = {names[id(p)] for p in decay["params"]}
+    assert {"wte.weight", "wpe.weight", "h.0.attn.c_attn.weight"} <= d
+    assert len(d) + len(nd) == len(list(model.parameters()))        # every parameter once (wte tied)
+
+
+def test_objectives_are_the_paper_means():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 11, generator=g)
+    y = torch.randint(0, 11, (3, 5), generator=g)
+    y[0, :2] = IGNORE
+    loss, _ = causal_lm_loss(logits, {"y": y})
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 11), y.reshape(-1), ignore_index=IGNORE))
+    half, _ = causal_lm_loss(logits, {"y": y}, norm={"lm": 26})      # a bigger step's denominator
+    torch.testing.assert_close(half, loss * 13 / 26)
+
+    mlm_logits, nsp_logits = torch.randn(2, 6, 9, generator=g), torch.randn(2, 2, generator=g)
+    labels = torch.full((2, 6), IGNORE)
+    labels[0, 1], labels[0, 4], labels[1, 2] = 3, 5, int(mlm_logits[1, 2].argmax())
+    nsp = torch.tensor([0, 1])
+    loss, m = mlm_nsp_loss((mlm_logits, nsp_logits), {"mlm_labels": labels, "nsp_labels": nsp})
+    want_mlm = F.cross_entropy(mlm_logits.reshape(-1, 9), labels.reshape(-1), ignore_index=IGNORE)
+    want_nsp = F.cross_entropy(nsp_logits, nsp)
+    torch.testing.assert_close(loss, want_mlm + want_nsp)
+    torch.testing.assert_close(m["mlm_loss"], want_mlm)
+    acc = ((mlm_logits.argmax(-1) == labels) & (labels != IGNORE)).sum() / 3
+    torch.testing.assert_close(m["mlm_acc"], acc.float())
+
+
+# --- the loop, in process ----------------------------------------------------------------------------
+
+def _losses(rows):
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def test_accumulation_equals_one_big_batch():
+    """4 micro-batches of 4 == 1 batch of 16, although the micro-batches predict different token counts."""
+    results = {}
+    for micro in (16, 4):
+        model = tiny_gpt2()
+        cfg = TrainConfig(max_steps=4, batch_size=16, micro_batch_size=micro, lr=3e-3, warmup_steps=1)
+        rows = train(model, CAUSAL_LM, Windows(), cfg)["rows"]
+        results[micro] = (_losses(rows), [r["grad_norm"] for r in rows], model.state_dict())
+    (l1, g1, w1), (l4, g4, w4) = results[16], results[4]
+    assert l1 == pytest.approx(l4, abs=1e-6, rel=0) and g1 == pytest.approx(g4, rel=1e-5)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w4[k], atol=1e-5, rtol=0)   # Adam magnifies rounding in ~0 grads
+    # averaging per micro-batch instead (the common bug) gives a measurably different loss
+    data = Windows().batch(0, 16)
+    model = tiny_gpt2()
+    naive = sum(causal_lm_loss(model(data["x"][i:i + 4]), {"y": data["y"][i:i + 4]})[0] for i in (0, 4, 8, 12)) / 4
+    assert abs(float(naive.detach()) - l1[0]) > 1e-4
+
+
+def test_nonfinite_step_is_skipped():
+    def forward(model, b):
+        return model(b["x"])
+
+    def poisoned(logits, batch, norm=None):
+        loss, m = causal_lm_loss(logits, batch, norm)
+        scale = batch["scale"][0]
+        return loss * scale, {k: v * scale for k, v in m.items()}
+
+    class Poisoned(Windows):
+        def batch(self, step, batch_size, rank=0, world_size=1):
+            b = super().batch(step, batch_size, rank, world_size)
+            b["scale"] = torch.full((len(b["x"]),), float("nan") if step == 2 else 1.0)
+            return b
+
+    obj = Objective(forward=forward, loss=poisoned, counts=CAUSAL_LM.counts, tokens=CAUSAL_LM.tokens)
+    model = tiny_gpt2()
+    snapshots = []
+
+    class Watch(Poisoned):
+        def batch(self, step, *a, **k):
+            snapshots.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            return super().batch(step, *a, **k)
+
+    out = train(model, obj, Watch(), TrainConfig(max_steps=5, batch_size=4, lr=1e-2))
+    rows = out["rows"]
+    assert out["skipped"] == 1 and rows[2].get("nonfinite") and rows[2]["skipped"] == 1
+    assert all(math.isfinite(p.detach().sum()) for p in model.parameters())
+    for n in snapshots[2]:   # step 2 changed nothing; step 3 did train
+        assert torch.equal(snapshots[2][n], snapshots[3][n])
+    assert any(not torch.equal(snapshots[3][n], snapshots[4][n]) for n in snapshots[3])
+
+
+def test_sigterm_saves_and_stops(tmp_path):
+    class Term(Windows):
+        def batch(self, step, *a, **k):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)   # arrives mid-step; the step finishes, then we save
+            return super().batch(step, *a, **k)
+
+    model = tiny_gpt2()
+    before = signal.getsignal(signal.SIGTERM)
+    out = train(model, CAUSAL_LM, Term(), TrainConfig(max_steps=50, batch_size=4, checkpoint_every=100), tmp_path)
+    assert out["stopped"] and out["step"] == 4 and out["saved_at"] == 4
+    assert signal.getsignal(signal.SIGTERM) == before
+    manifest = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert manifest["latest"] == "ckpt-00000004" and manifest["step"] == 4
+    state = torch.load(tmp_path / "ckpt-00000004" / "train_state.pt", weights_only=True)
+    assert state["step"] == 4
+    import duolm
+    loaded, _ = duolm.load(tmp_path)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)
+
+
+def test_run_logs_jsonl_tensorboard_png(tmp_path):
+    assert crc32c(b"123456789") == 0xE3069283          # the CRC-32C check value
+    model = tiny_gpt2()
+    cfg = TrainConfig(max_steps=6, batch_size=4, lr=1e-2, eval_every=3, eval_batches=1, checkpoint_every=2,
+                      keep_last=2)
+    train(model, CAUSAL_LM, Windows(), cfg, tmp_path, val_data=Windows(seed=1))
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3, 4, 5, 6]
+    assert all({"loss", "lr", "tokens_per_s", "grad_norm"} <= r.keys() for r in train_rows)
+    assert [r["step"] for r in rows if "val_loss" in r] == [0, 3, 6]
+    # TensorBoard: every record's CRCs check, and the scalars are the jsonl's (as float32)
+    (events,) = (tmp_path / "tb").glob("events.out.tfevents.*")
+    scalars = read_scalars(events)
+    tb_loss = [(s, v) for s, tag, v in scalars if tag == "loss"]
+    assert tb_loss == [(r["step"], struct.unpack("<f", struct.pack("<f", r["loss"]))[0]) for r in train_rows]
+    assert [s for s, tag, _ in scalars if tag == "val_loss"] == [0, 3, 6]
+    # keep_last=2: the manifest names the newest two, which are the only ones on disk
+    manifest = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert manifest["checkpoints"] == ["ckpt-00000004", "ckpt-00000006"]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == manifest["checkpoints"]
+    # PNG: a valid file whose pixels include the train curve's blue
+    png = (tmp_path / "loss.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = struct.unpack(">II", png[16:24])
+    i, idat = 8, b""
+    while i < len(png):
+        n = struct.unpack(">I", png[i:i + 4])[0]
+        kind, body = png[i + 4:i + 8], png[i + 8:i + 8 + n]
+        assert struct.unpack(">I", png[i + 8 + n:i + 12 + n])[0] == zlib.crc32(kind + body)
+        idat += body if kind == b"IDAT" else b""
+        i += 12 + n
+    raw = zlib.decompress(idat)
+    assert len(raw) == h * (1 + 3 * w)
+    assert raw.count(bytes((31, 119, 180))) > 20 and raw.count(bytes((255, 127, 14))) > 20
+
+
+def test_same_math_as_transformers():
+    """20 steps of our loop on our GPT-2 == a plain loop on transformers' GPT2LMHeadModel, same start weights."""
+    transformers = pytest.importorskip("transformers")
+    from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
+
+    model = tiny_gpt2(vocab=64, T=16)
+    hf_cfg = transformers.GPT2Config(**{k: v for k, v in gpt2_config_to_hf(model.config).items()
+                                        if k not in ("architectures", "model_type")})
+    hf = transformers.GPT2LMHeadModel(hf_cfg)
+    hf.load_state_dict(gpt2_to_hf(model.state_dict()), strict=False)
+    hf.train()
+    data = Windows(holes=False)
+    cfg = TrainConfig(max_steps=20, batch_size=8, lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=1.0)
+    ours = _losses(train(model, CAUSAL_LM, data, cfg)["rows"])
+
+    decay = [p for p in hf.parameters() if p.dim() >= 2]
+    no_decay = [p for p in hf.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    ref = []
+    for step in range(cfg.max_steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps)
+        b = data.batch(step, cfg.batch_size)
+        logits = hf(input_ids=b["x"]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), b["y"].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad()
+        ref.append(loss.item())
+    assert ref[-1] < ref[0] - 0.5                      # it trained
+    assert ours == pytest.approx(ref, abs=1e-5, rel=0)
+
+
+# --- the real command, in subprocesses: SIGKILL + exact resume, torchrun DDP ----------------------------
+
+@pytest.fixture(scope="module")
+def gpt2_data(tmp_path_factory):
+    from duolm.data import prepare
+    from duolm.tokenizers import ByteLevelBPE
+
+    rng = random.Random(0)
+    words = "the king and queen of a small land said that all men must go to sea when winter comes".split()
+    text = "\n".join(" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + "." for _ in range(2000))
+    d = tmp_path_factory.mktemp("gpt2data")
+    (d / "corpus.txt").write_text(text)
+    prepare([d / "corpus.txt"], ByteLevelBPE.train([text], vocab_size=300), d / "data", val_fraction=0.1,
+            chunk_chars=4096)
+    return d / "data"
+
+
+def _pretrain(data, run, *extra, launcher=(), check=True):
+    cmd = [*(launcher or [sys.executable]), "-m", "duolm", "pretrain", "gpt2", "--data", str(data), "-o", str(run),
+           "--preset", "tiny", "--block-size", "32", "--batch-size", "8", "--micro-batch-size", "2",
+           "--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--checkpoint-every", "2",
+           "--eval-every", "4", "--eval-batches", "2", "--quiet", *extra]
+    # Bitwise equality across processes needs a reproducible BLAS: one thread, and MKL's conditional numerical
+    # reproducibility (without it MKL may pick kernels by memory alignment, a different rounding per process).
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE",
+           "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+def _weights(ckpt):
+    from safetensors.torch import load_file
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_sigkill_anywhere_then_resume_is_exact(gpt2_data, tmp_path):
+    """12 steps straight == killed after step 5, inside the save of step 8, after the rename of step 10,
+    each time resumed: the same per-step losses and bit-identical final weights (dropout on)."""
+    _pretrain(gpt2_data, tmp_path / "a", "--dropout", "0.1")
+    b = tmp_path / "b"
+    for crash, manifest_step in (("5:step", 4), ("8:save", 6), ("10:renamed", 8)):
+        p = _pretrain(gpt2_data, b, "--dropout", "0.1", "--resume", "--crash", crash, check=False)
+        assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+        assert json.loads((b / "checkpoint.json").read_text())["step"] == manifest_step
+    assert (b / "ckpt-00000010").is_dir()                       # complete on disk, but never named: not used
+    _pretrain(gpt2_data, b, "--dropout", "0.1", "--resume")
+    rows_a, rows_b = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(b / "metrics.jsonl")
+    assert [r["step"] for r in rows_b] == [r["step"] for r in rows_a]   # no step twice after the resumes
+    assert _losses(rows_b) == _losses(rows_a)
+    assert [r.get("val_loss") for r in rows_b] == [r.get("val_loss") for r in rows_a]
+    wa, wb = _weights(tmp_path / "a" / "ckpt-00000012"), _weights(b / "ckpt-00000012")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not list(b.glob(".tmp-*"))
+
+
+def test_torchrun_ddp_matches_one_process(gpt2_data, tmp_path):
+    one = _pretrain(gpt2_data, tmp_path / "one", "--max-steps", "6")
+    two = _pretrain(gpt2_data, tmp_path / "two", "--max-steps", "6",
+                    launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"])
+    rows1, rows2 = read_jsonl(tmp_path / "one" / "metrics.jsonl"), read_jsonl(tmp_path / "two" / "metrics.jsonl")
+    assert [r["step"] for r in rows2] == [r["step"] for r in rows1]      # one writer: no duplicated rows
+    assert _losses(rows2) == pytest.approx(_losses(rows1), abs=1e-5, rel=0)
+    assert [r["val_loss"] for r in rows2 if "val_loss" in r] == pytest.approx(
+        [r["val_loss"] for r in rows1 if "val_loss" in r], abs=1e-5, rel=0)
+    assert len(list((tmp_path / "two" / "tb").iterdir())) == 1
+    assert "parameters" in two.stdout and two.stdout.count("done at step 6") == 1
+    w1, w2 = _weights(tmp_path / "one" / "ckpt-00000006"), _weights(tmp_path / "two" / "ckpt-00000006")
+    assert all(torch.allclose(w1[k], w2[k], atol=1e-5, rtol=0) for k in w1)
+
+
+# --- tiny models learn real text (through `duolm pretrain`, in process) --------------------------------
+
+@pytest.fixture
+def one_thread():
+    # tiny matmuls gain nothing from a second thread, and lose a lot when the CPU is shared
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_tiny_gpt2_and_bert_learn(data_dir, tmp_path, one_thread):
+    from duolm.cli import main
+    from duolm.data import prepare
+    from duolm.tokenizers import ByteLevelBPE, WordPiece
+
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_text()[:200_000]
+    (tmp_path / "shakespeare.txt").write_text(text)
+    prepare([tmp_path / "shakespeare.txt"], ByteLevelBPE.train([text], vocab_size=512), tmp_path / "gd",
+            val_fraction=0.1, chunk_chars=8192)
+    main(["pretrain", "gpt2", "--data", str(tmp_path / "gd"), "-o", str(tmp_path / "gpt2"), "--block-size", "64",
+          "--batch-size", "16", "--max-steps", "150", "--lr", "3e-3", "--warmup-steps", "10", "--eval-every", "50",
+          "--eval-batches", "4", "--quiet"])
+    val = [r["val_loss"] for r in read_jsonl(tmp_path / "gpt2" / "metrics.jsonl") if "val_loss" in r]
+    assert val[0] > 6.0 and val[-1] < val[0] - 1.5, val          # ln(512) = 6.24 at the start
+
+    # PTB: one sentence per line; every 10 lines a document (blank line between), as BERT's data format
+    lines = (data_dir / "ptb" / "ptb.train.txt").read_text().splitlines()[:4000]
+    docs = "\n\n".join("\n".join(s.strip() for s in lines[i:i + 10]) for i in range(0, len(lines), 10))
+    (tmp_path / "ptb.txt").write_text(docs)
+    prepare([tmp_path / "ptb.txt"], WordPiece.train(lines, vocab_size=1000), tmp_path / "bd", val_fraction=0.1,
+            chunk_chars=8192)
+    main(["pretrain", "bert", "--data", str(tmp_path / "bd"), "-o", str(tmp_path / "bert"), "--block-size", "64",
+          "--batch-size", "32", "--max-steps", "100", "--lr", "3e-3", "--warmup-steps", "10", "--eval-every", "50",
+          "--eval-batches", "4", "--quiet"])
+    rows = [r for r in read_jsonl(tmp_path / "bert" / "metrics.jsonl") if "val_loss" in r]
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.9          # 7.63 at the start (ln 1000 + ln 2)
+    assert rows[-1]["val_mlm_acc"] > rows[0]["val_mlm_acc"] + 0.02
+    import duolm
+    model, tok = duolm.load(tmp_path / "bert")
+    assert type(model).__name__ == "BertForPreTraining" and tok.vocab_size == model.config.vocab_size
