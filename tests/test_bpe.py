@@ -1,0 +1,319 @@
+"""Byte-level BPE against tiktoken and HF `tokenizers` on real text, random text, files and bad input."""
+import json
+import random
+import time
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from duolm.tokenizers import ByteLevelBPE
+from duolm.tokenizers import bpe
+from duolm.tokenizers.bpe import GPT2_PATTERN, bpe_merge, learn_merges, merge_word, split_pieces
+
+tiktoken = pytest.importorskip("tiktoken")
+hf = pytest.importorskip("tokenizers")
+
+EOT = "<|endoftext|>"
+# Reference runs are slow on the big files of a shared machine: tiktoken sees every file whole and the first
+# LINES_SLICE characters line by line; HF tokenizers (~1 MB/s) the first HF_SLICE characters, whole and by line.
+LINES_SLICE = 300_000
+HF_SLICE = 100_000
+
+
+def hf_bpe(vocab_json, merges_txt):
+    """HF tokenizers with GPT-2's settings (byte-level pre-tokenizer, no prefix space)."""
+    t = hf.Tokenizer(hf.models.BPE.from_file(str(vocab_json), str(merges_txt)))
+    t.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = hf.decoders.ByteLevel()
+    return t
+
+
+def tiktoken_from_vocab_json(path, special_tokens):
+    """tiktoken.Encoding whose mergeable ranks are the ids of vocab.json (bytes spelled as GPT-2 spells them)."""
+    char_to_byte = {c: b for b, c in bpe.bytes_to_unicode().items()}
+    vocab = json.loads(path.read_text(encoding="utf-8"))
+    ranks = {bytes(char_to_byte[c] for c in t): i for t, i in vocab.items() if t not in special_tokens}
+    return tiktoken.Encoding("trained", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens)
+
+
+@pytest.fixture(scope="module")
+def gpt2(data_dir):
+    return ByteLevelBPE.from_tiktoken(data_dir / "gpt2" / "gpt2.tiktoken")
+
+
+@pytest.fixture(scope="module")
+def gpt2_files(data_dir):
+    return ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+
+
+@pytest.fixture(scope="module")
+def ref_tiktoken(data_dir):
+    from tiktoken.load import load_tiktoken_bpe
+    ranks = load_tiktoken_bpe(str(data_dir / "gpt2" / "gpt2.tiktoken"))
+    return tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={EOT: 50256})
+
+
+@pytest.fixture(scope="module")
+def ref_hf(data_dir):
+    return hf_bpe(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+
+
+def text_files(data_dir):
+    out = []
+    for p in sorted(data_dir.rglob("*")):
+        if p.is_file():
+            try:
+                out.append((p, p.read_text(encoding="utf-8")))
+            except UnicodeDecodeError:
+                pass
+    assert len(out) >= 15
+    return out
+
+
+# --- the merge step, worked ----------------------------------------------------------------------
+
+def test_worked_example_aaabdaaabac():
+    # SPEC: "aaabdaaabac" -> "ZabdZabac" (aa -> Z) -> "ZYdZYac" (ab -> Y); then ZY -> X gives "XdXac".
+    # After aa -> Z, (Z, a) and (a, b) both occur twice: the tie goes to the smaller ids, (a, b).
+    assert learn_merges({b"aaabdaaabac": 1}, 3, min_frequency=1) == [(b"a", b"a"), (b"a", b"b"), (b"aa", b"ab")]
+    a, b, c, d, Z, Y = 1, 2, 3, 4, 256, 257
+    w = merge_word([a, a, a, b, d, a, a, a, b, a, c], (a, a), Z)
+    assert w == [Z, a, b, d, Z, a, b, a, c]
+    assert merge_word(w, (a, b), Y) == [Z, Y, d, Z, Y, a, c]
+    ranks = {b"aa": 0, b"ab": 1, b"aaab": 2}
+    assert bpe_merge(b"aaabdaaabac", ranks) == [b"aaab", b"d", b"aaab", b"a", b"c"]
+    assert bpe.bytes_to_unicode()[ord(" ")] == "Ġ" and len(set(bpe.bytes_to_unicode().values())) == 256
+
+
+def test_long_merge_equals_short_merge(gpt2):
+    rng = random.Random(0)
+    for _ in range(300):
+        piece = "".join(rng.choice("aab cdeé\u4e00") for _ in range(rng.randint(2, 60))).encode()
+        assert bpe._bpe_merge_long(piece, gpt2._ranks) == bpe_merge(piece, gpt2._ranks)
+
+
+def test_min_frequency_and_determinism():
+    texts = ["low lower lowest newer wider new"] * 3 + ["rare"]  # "ra", "ar" occur once
+    t1 = ByteLevelBPE.train(texts, 1000, min_frequency=2)
+    assert t1._merges == ByteLevelBPE.train(texts, 1000, min_frequency=2)._merges
+    tokens = {a + b for a, b in t1._merges}
+    assert b" lower" in tokens and b"ra" not in tokens and b"ar" not in tokens
+    assert t1.vocab_size == 256 + len(t1._merges) + 1 < 1000 and t1.eot_id == t1.vocab_size - 1
+    assert b"rare" in {a + b for a, b in ByteLevelBPE.train(texts, 1000, min_frequency=1)._merges}
+
+
+# --- real text against the references -------------------------------------------------------------
+
+def test_gpt2_files_and_tiktoken_file_are_the_same_tokenizer(gpt2, gpt2_files):
+    assert gpt2._encoder == gpt2_files._encoder and gpt2_files._ranks is gpt2_files._encoder
+    assert gpt2.vocab_size == gpt2_files.vocab_size == 50257 and gpt2.eot_id == gpt2_files.eot_id == 50256
+
+
+def test_every_data_file_matches_tiktoken(data_dir, gpt2, ref_tiktoken):
+    for path, text in text_files(data_dir):
+        assert gpt2.encode_ordinary(text) == ref_tiktoken.encode_ordinary(text), path
+        lines = text[:LINES_SLICE].splitlines(keepends=True)
+        assert [gpt2.encode_ordinary(x) for x in lines] == [ref_tiktoken.encode_ordinary(x) for x in lines], path
+
+
+def test_every_data_file_matches_hf_tokenizers(data_dir, gpt2_files, ref_hf):
+    for path, text in text_files(data_dir):
+        text = text[:HF_SLICE]
+        ids = gpt2_files.encode_ordinary(text)
+        assert ids == ref_hf.encode(text).ids, path
+        lines = text.splitlines(keepends=True)
+        assert [gpt2_files.encode_ordinary(x) for x in lines] == [e.ids for e in ref_hf.encode_batch(lines)], path
+        assert gpt2_files.decode(ids) == text == ref_hf.decode(ids)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=200))
+def test_random_unicode(gpt2, ref_tiktoken, ref_hf, text):
+    ids = gpt2.encode(text, disallowed_special=())
+    assert gpt2.decode_bytes(ids) == text.encode()
+    assert ids == ref_tiktoken.encode_ordinary(text)
+    assert ids == ref_hf.encode(text).ids
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from(["a", "Ab", " ", "\n", "\n ", " \n", "\r\n", "\t", "é", "日本", "1", "!?", "'s", "'",
+                                 "\u00a0", "\u3000", "\x1c", "\x00", "\u0558", "\U0003d000"]), max_size=60).map("".join))
+def test_fast_split_equals_the_pattern(text):
+    # split_pieces runs stdlib `re` on ASCII stretches cut at safe newlines: the same pieces as GPT-2's pattern
+    assert split_pieces(text) == bpe._PAT.findall(text)
+
+
+def test_code_points_in_every_category(gpt2, ref_tiktoken, ref_hf):
+    # `regex` knows a newer Unicode than the references; code points they do not know must split as they do.
+    # (A scan of all 1.1M code points this way found exactly the ranges in bpe._NEWER_UNICODE; here a sample.)
+    newer = [int(h, 16) for r in bpe._NEWER_UNICODE.split() for h in r.split("-")]
+    for i, cp in enumerate(sorted({*range(0, 0x110000, 23), *newer, *(c + 1 for c in newer)} - {*range(0xD800, 0xE000)})):
+        c = chr(cp)
+        text = f"a{c}1 {c}{c}'s {c}1 !{c}\n"
+        assert gpt2.encode_ordinary(text) == ref_tiktoken.encode_ordinary(text), hex(cp)
+        if i % 10 == 0:
+            assert gpt2.encode_ordinary(text) == ref_hf.encode(text).ids, hex(cp)
+
+
+def _fix_surrogates(text):  # what tiktoken does to lone surrogates: U+FFFD
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.sampled_from(["replace", "surrogateescape", "ignore", "backslashreplace"]))
+def test_random_bytes(gpt2, ref_tiktoken, data, errors):
+    text = data.decode("utf-8", errors)
+    ids = gpt2.encode_ordinary(text)
+    assert ids == ref_tiktoken.encode_ordinary(text)
+    assert gpt2.decode_bytes(ids) == _fix_surrogates(text).encode()
+    if errors != "surrogateescape":
+        assert gpt2.decode(ids) == text
+
+
+# --- train, save, load in the references -----------------------------------------------------------
+
+def test_train_save_load_roundtrip(tmp_path, data_dir):
+    train_text = (data_dir / "tinyshakespeare" / "input.txt").read_text()[:300_000]
+    tok = ByteLevelBPE.train(train_text.splitlines(keepends=True), 2000, special_tokens=(EOT, "<pad>"))
+    assert tok.vocab_size == 2000 and tok.special_tokens == {EOT: 1998, "<pad>": 1999}
+    tok.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"vocab.json", "merges.txt", "special_tokens.json"}
+    back = ByteLevelBPE.load(tmp_path)
+    ours = hf_bpe(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    tik = tiktoken_from_vocab_json(tmp_path / "vocab.json", tok.special_tokens)
+    text = (data_dir / "wikitext-2" / "test.txt").read_text()[:100_000] + " héllo wörld 😀 日本語"
+    ids = tok.encode(text)
+    assert len(set(ids)) > 1000
+    assert back.encode(text) == ids == ours.encode(text).ids == tik.encode_ordinary(text)
+    assert back.decode(ids) == text
+    assert tok.encode(f"a{EOT}b<pad>", allowed_special="all") == tik.encode(f"a{EOT}b<pad>", allowed_special="all")
+    assert back.special_tokens == tok.special_tokens and back._merges == tok._merges
+
+
+def test_load_a_vocab_trained_by_hf(tmp_path, data_dir):
+    # HF's trainer lays ids out its own way (special first, bytes sorted by character): ids come from
+    # vocab.json, the merge order from merges.txt
+    t = hf.Tokenizer(hf.models.BPE())
+    t.pre_tokenizer = hf.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = hf.trainers.BpeTrainer(vocab_size=1500, special_tokens=[EOT], show_progress=False,
+                                     initial_alphabet=hf.pre_tokenizers.ByteLevel.alphabet())
+    t.train_from_iterator([(data_dir / "tinyshakespeare" / "input.txt").read_text()[:200_000]], trainer)
+    t.model.save(str(tmp_path))
+    ours = ByteLevelBPE.from_files(tmp_path / "vocab.json", tmp_path / "merges.txt")
+    assert ours.special_tokens == {EOT: 0} and ours.vocab_size == t.get_vocab_size()
+    text = (data_dir / "wikitext-2" / "test.txt").read_text()[:50_000]
+    assert ours.encode(text) == t.encode(text).ids
+
+
+def test_save_gpt2_from_tiktoken_derives_the_merges(tmp_path, data_dir, gpt2, ref_hf):
+    gpt2.save(tmp_path)
+    theirs = (data_dir / "gpt2" / "vocab.bpe").read_text(encoding="utf-8").splitlines()
+    assert (tmp_path / "merges.txt").read_text(encoding="utf-8").splitlines()[1:] == [x for x in theirs[1:] if x]
+    assert json.loads((tmp_path / "vocab.json").read_text()) == json.loads((data_dir / "gpt2" / "encoder.json").read_text())
+    text = "Hello world, this is GPT-2's tokenizer!  \n\n 12345 ünïcödé"
+    assert ByteLevelBPE.load(tmp_path).encode(text) == ref_hf.encode(text).ids
+
+
+def test_encode_batch_processes(gpt2, ref_tiktoken):
+    texts = [f"line {i}: the quick brown fox {i * 7919}" for i in range(200)]
+    assert gpt2.encode_batch(texts, workers=2) == gpt2.encode_batch(texts) == ref_tiktoken.encode_ordinary_batch(texts)
+
+
+# --- bad input -------------------------------------------------------------------------------------
+
+def test_special_token_injection(gpt2, ref_tiktoken):
+    text = f"hello {EOT} world"
+    with pytest.raises(ValueError, match="allowed_special"):
+        gpt2.encode(text)
+    with pytest.raises(ValueError):
+        ref_tiktoken.encode(text)
+    assert gpt2.encode(text, allowed_special={EOT}) == ref_tiktoken.encode(text, allowed_special={EOT})
+    assert 50256 in gpt2.encode(text, allowed_special="all")
+    assert gpt2.encode(text, disallowed_special=()) == gpt2.encode_ordinary(text) == ref_tiktoken.encode_ordinary(text)
+    assert 50256 not in gpt2.encode_ordinary(text)
+    assert gpt2.decode(gpt2.encode(text, allowed_special="all")) == text
+    with pytest.raises(ValueError, match="not special tokens"):
+        gpt2.encode("x", allowed_special={"<|im_start|>"})
+
+
+@pytest.mark.parametrize("text", ["", " ", "\x00", "a\x00b\x01\x02\x7f\x1b[0m\r\n\t\x0b\x0c", "\u200b\ufeff\u2028\u00a0",
+                                  "\ud800", "a\udfffb", "\ud83d\ude00", "x\ud83d", "'s'S'll  \n\n  \t x"])
+def test_edge_inputs(gpt2, ref_tiktoken, text):
+    ids = gpt2.encode(text)
+    assert ids == ref_tiktoken.encode(text)  # lone surrogates: both replace them by U+FFFD
+    assert gpt2.decode_bytes(ids) == _fix_surrogates(text).encode()
+    assert gpt2.encode("") == [] and gpt2.decode([]) == ""
+
+
+def test_decode_replaces_invalid_utf8_and_rejects_unknown_ids(gpt2):
+    ids = gpt2.encode("é")
+    partial = [i for i in range(256) if gpt2.decode_bytes([i]) == "é".encode()[:1]]
+    assert gpt2.decode(partial) == "\ufffd" and gpt2.decode(ids) == "é"
+    with pytest.raises(ValueError, match="50257"):
+        gpt2.decode([50257])
+    with pytest.raises(ValueError):
+        gpt2.decode([-1])
+
+
+def test_million_character_pieces(gpt2, ref_tiktoken):
+    rng = random.Random(0)
+    letters = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(100_000))
+    for text in ["a" * 1_000_000, letters, "1" * 50_000 + " " * 50_000 + "!" * 50_000 + "\n" * 50_000]:
+        assert gpt2.encode(text) == ref_tiktoken.encode(text)
+
+    def seconds(text):
+        t0 = time.perf_counter()
+        gpt2.encode(text)
+        return time.perf_counter() - t0
+
+    # not quadratic: doubling the input at most ~doubles the time (generous bound on a shared machine)
+    assert seconds(letters) < 3 * seconds(letters[:50_000]) + 0.1
+    assert seconds("b" * 200_000) < 3 * seconds("b" * 100_000) + 0.1
+
+
+def test_word_cache_is_bounded(gpt2, monkeypatch):
+    monkeypatch.setattr(bpe, "_CACHE_SIZE", len(gpt2._base_cache) + 100)
+    rng = random.Random(1)
+    words = " ".join("".join(rng.choice("qxzjvk") for _ in range(8)) for _ in range(1000))
+    gpt2.encode(words)
+    assert len(gpt2._cache) <= len(gpt2._base_cache) + 100
+
+
+def test_corrupt_files(tmp_path, data_dir):
+    enc = (data_dir / "gpt2" / "encoder.json").read_text(encoding="utf-8")
+    merges = (data_dir / "gpt2" / "vocab.bpe").read_text(encoding="utf-8")
+    tik = (data_dir / "gpt2" / "gpt2.tiktoken").read_bytes()
+    good_vocab, good_merges = tmp_path / "good.json", tmp_path / "good.bpe"
+    good_vocab.write_text(enc, encoding="utf-8")
+    good_merges.write_text(merges, encoding="utf-8")
+
+    bad = tmp_path / "truncated.json"
+    bad.write_text(enc[: len(enc) // 2], encoding="utf-8")
+    with pytest.raises(ValueError, match=r"truncated\.json: line \d+"):
+        ByteLevelBPE.from_files(bad, good_merges)
+
+    lines = merges.splitlines(keepends=True)
+    bad = tmp_path / "garbled.bpe"
+    bad.write_text("".join(lines[:100]) + "Ġthe\n" + "".join(lines[100:]), encoding="utf-8")
+    with pytest.raises(ValueError, match=r"garbled\.bpe: line 101"):
+        ByteLevelBPE.from_files(good_vocab, bad)
+    bad.write_text("".join(lines[:100]) + "Ġt zzz\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"garbled\.bpe: line 101.*not in"):
+        ByteLevelBPE.from_files(good_vocab, bad)
+    bad = tmp_path / "short.bpe"
+    bad.write_text("".join(lines[:30_000]), encoding="utf-8")  # cut at a line boundary
+    with pytest.raises(ValueError, match=r"made by no merge in .*short\.bpe.*truncated"):
+        ByteLevelBPE.from_files(good_vocab, bad)
+
+    bad = tmp_path / "bad.tiktoken"
+    bad.write_bytes(tik[:5000] + b"!!notbase64 12\n" + tik[5000:])
+    n = tik[:5000].count(b"\n") + 1
+    with pytest.raises(ValueError, match=rf"bad\.tiktoken: line {n}"):
+        ByteLevelBPE.from_tiktoken(bad)
+    bad.write_bytes(tik[: len(tik) // 2 + 3])  # cut mid-line
+    with pytest.raises(ValueError, match=r"bad\.tiktoken: line \d+"):
+        ByteLevelBPE.from_tiktoken(bad)
+    with pytest.raises(FileNotFoundError):
+        ByteLevelBPE.load(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="vocab_size"):
+        ByteLevelBPE.train(["abc"], 100)
