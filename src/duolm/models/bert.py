@@ -1,0 +1,256 @@
+"""BERT (Devlin et al., 2018): a bidirectional Transformer encoder pretrained with masked LM + NSP.
+
+Read top to bottom like the paper: config and presets, attention, MLP, the post-LN block, the
+encoder with its pooler (what every BERT checkpoint holds), then the two pretraining heads.
+
+    h_0 = LayerNorm(E_token + E_segment + E_position)
+    h_l = block(h_{l-1})                         post-LN: ln_1(x + attn(x)), then ln_2(x + mlp(x))
+    pooled = tanh(W_pool h_n[CLS] + b)           sentence summary for NSP / classification
+
+Names are short and match GPT-2's (wte, wpe, h, ln_1, attn.c_attn, mlp.c_fc); the HF/TF names are
+mapped in duolm.convert. Query, key and value are one fused (3C, C) projection.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+@dataclass
+class BertConfig:
+    vocab_size: int = 30522
+    block_size: int = 512
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_inner: int = 3072
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_inner", "type_vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "BertConfig":
+        if name not in BERT_PRESETS:
+            raise ValueError(f"unknown BERT preset {name!r}; choose one of {sorted(BERT_PRESETS)}")
+        return cls(**{**BERT_PRESETS[name], **overrides})
+
+
+# BERT-base: 12 layers, hidden 768, 12 heads (109,482,240 params with the pooler at vocab 30,522);
+# BERT-large: 24 layers, 1024, 16 heads (335,141,888).
+BERT_PRESETS = {
+    "bert-base": dict(n_layer=12, n_head=12, n_embd=768, n_inner=3072),
+    "bert-large": dict(n_layer=24, n_head=16, n_embd=1024, n_inner=4096),
+    "tiny": dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64, n_inner=256),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Bidirectional self-attention
+
+class Attention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x, mask=None):
+        """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q = q.view(B, T, self.n_head, -1).transpose(1, 2)     # (B, nh, T, hd), strided views
+        k = k.view(B, T, self.n_head, -1).transpose(1, 2)
+        v = v.view(B, T, self.n_head, -1).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_drop(y) if self.training and self.dropout > 0 else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Position-wise MLP: C -> n_inner -> C with GELU (erf form)
+
+class MLP(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dropout = config.dropout
+        self.c_fc = nn.Linear(config.n_embd, config.n_inner)
+        self.c_proj = nn.Linear(config.n_inner, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        y = self.c_proj(F.gelu(self.c_fc(x)))
+        return self.drop(y) if self.training and self.dropout > 0 else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Post-LN Transformer block (the original Transformer's order)
+
+class Block(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attn = Attention(config)
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+
+    def forward(self, x, mask=None):
+        x = self.ln_1(x + self.attn(x, mask))
+        x = self.ln_2(x + self.mlp(x))
+        return x
+
+
+# ---------------------------------------------------------------------------------------------
+# The encoder with its pooler
+
+def _init_weights(module: nn.Module) -> None:
+    """BERT's init: N(0, 0.02) for every matrix and embedding, biases 0, LayerNorm 1/0."""
+    for m in module.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, 0.0, 0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.LayerNorm):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
+class Bert(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        # Embeddings: token + segment (A/B) + learned position, then LayerNorm and dropout.
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd, padding_idx=config.pad_token_id)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wse = nn.Embedding(config.type_vocab_size, config.n_embd)
+        self.ln_e = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.pool = nn.Linear(config.n_embd, config.n_embd)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        _init_weights(self)
+        if self.config.pad_token_id is not None and 0 <= self.config.pad_token_id < self.config.vocab_size:
+            with torch.no_grad():
+                self.wte.weight[self.config.pad_token_id].zero_()   # as nn.Embedding(padding_idx=...)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def _check(self, idx, segment_ids, attention_mask):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must hold integer token ids (int64), got dtype {idx.dtype}")
+        B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds the context block_size="
+                             f"{self.config.block_size}; truncate the input")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (B, T):
+                raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
+            lo, hi = int(segment_ids.min()), int(segment_ids.max())
+            if lo < 0 or hi >= self.config.type_vocab_size:
+                raise ValueError(f"segment ids must be in [0, {self.config.type_vocab_size}); got min {lo}, max {hi}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
+            raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """idx (B, T), segment_ids (B, T) of 0/1 (default all 0), attention_mask (B, T) of 0/1
+        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C))."""
+        self._check(idx, segment_ids, attention_mask)
+        B, T = idx.shape
+        x = self.wte(idx) + self.wpe.weight[:T]
+        x = x + (self.wse.weight[0] if segment_ids is None else self.wse(segment_ids))
+        x = self.ln_e(x)
+        if self.training and self.config.dropout > 0:
+            x = self.drop(x)
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            mask = attention_mask.to(device=idx.device, dtype=torch.bool)[:, None, None, :]   # (B, 1, 1, T)
+        for block in self.h:
+            x = block(x, mask)
+        pooled = torch.tanh(self.pool(x[:, 0]))    # the [CLS] position
+        return x, pooled
+
+
+# ---------------------------------------------------------------------------------------------
+# Pretraining heads (losses live outside: duolm.train)
+
+class BertMLMHead(nn.Module):
+    """Masked LM: dense + GELU + LayerNorm, then the decoder tied to the token embedding (its
+    weight is Bert's wte, not a copy) plus an own output bias. h (..., C) -> logits (..., vocab)."""
+
+    def __init__(self, config: BertConfig, wte: nn.Embedding):
+        super().__init__()
+        self.dense = nn.Linear(config.n_embd, config.n_embd)
+        self.ln = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+        # Held in a tuple so it is not registered twice (no duplicate key in the state dict);
+        # we keep the module, not its weight, so .to() and load_state_dict(assign=True) follow.
+        self._wte = (wte,)
+        _init_weights(self)
+
+    def forward(self, h):
+        h = self.ln(F.gelu(self.dense(h)))
+        return F.linear(h, self._wte[0].weight, self.bias)
+
+
+class BertNSPHead(nn.Module):
+    """Next sentence prediction: 2-way classifier on the pooled [CLS] state (0 = B follows A)."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.n_embd, 2)
+        _init_weights(self)
+
+    def forward(self, pooled):
+        return self.fc(pooled)
+
+
+class BertForPreTraining(nn.Module):
+    """Bert + MLM head + NSP head; state dict keys bert.*, mlm.*, nsp.*."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.bert = Bert(config)
+        self.mlm = BertMLMHead(config, self.bert.wte)
+        self.nsp = BertNSPHead(config)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """-> (mlm_logits (B, T, vocab), nsp_logits (B, 2))."""
+        hidden, pooled = self.bert(idx, segment_ids, attention_mask)
+        return self.mlm(hidden), self.nsp(pooled)

@@ -1,0 +1,335 @@
+"""GPT-2 (Radford et al., 2019): a decoder-only Transformer trained as a causal language model.
+
+Read top to bottom like the paper: config and presets, the key/value cache, attention, MLP, the
+pre-LN block, and the model. Module names are OpenAI's (wte, wpe, h, ln_1, attn.c_attn, mlp.c_fc,
+ln_f) so checkpoints map one to one; weights are nn.Linear (out, in), not OpenAI's Conv1D (in, out).
+
+    h_0 = U W_e + W_p                        token embedding + learned position embedding
+    h_l = block(h_{l-1}),  l = 1..n          pre-LN: x + attn(ln_1(x)), then x + mlp(ln_2(x))
+    P(u) = softmax(ln_f(h_n) W_e^T)          the output layer is tied to the token embedding
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ---------------------------------------------------------------------------------------------
+# Config
+
+@dataclass
+class GPT2Config:
+    """Architecture facts. `pad_vocab_multiple` > 1 rounds the embedding matrix up to a multiple
+    (e.g. 64) for faster matmuls; the padding never shows in logits, state dicts or checkpoints."""
+
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-5
+    pad_vocab_multiple: int = 1
+
+    def __post_init__(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "GPT2Config":
+        if name not in GPT2_PRESETS:
+            raise ValueError(f"unknown GPT-2 preset {name!r}; choose one of {sorted(GPT2_PRESETS)}")
+        return cls(**{**GPT2_PRESETS[name], **overrides})
+
+
+# The released GPT-2 sizes (paper: 117M/345M/762M/1542M; exact counts with the tied embedding
+# counted once: 124,439,808 / 354,823,168 / 774,030,080 / 1,557,611,200).
+GPT2_PRESETS = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+    "tiny": dict(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Key/value cache: explicit state handed to forward (the model holds none)
+
+class KVCache:
+    """Preallocated keys and values, one (B, n_head, max_len, head_dim) pair per layer.
+
+    `forward(idx, cache=cache)` writes the T new positions at [length, length + T) and advances
+    `length` by T, so decoding one token costs one position. `reorder(index)` selects batch rows
+    (beam search)."""
+
+    def __init__(self, config: GPT2Config, batch_size: int, max_len: int | None = None,
+                 device=None, dtype=None):
+        max_len = config.block_size if max_len is None else max_len
+        if batch_size < 1 or not 1 <= max_len <= config.block_size:
+            raise ValueError(f"KVCache needs batch_size >= 1 (got {batch_size}) and "
+                             f"1 <= max_len <= block_size={config.block_size} (got {max_len})")
+        dtype = torch.get_default_dtype() if dtype is None else dtype
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        # Positions >= length are never read, so the buffers need no zeroing.
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep batch rows `index` (B',) in that order, e.g. the surviving beams."""
+        index = index.to(self.k[0].device)
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal self-attention
+
+class Attention(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_drop = nn.Dropout(config.dropout)
+
+    def forward(self, x, mask=None, kv=None):
+        """x (B, T, C). mask: None (plain causal) or bool (B|1, 1, T, past + T), True = may attend.
+        kv: None or (k_buf, v_buf, past) of this layer's cache; the new keys/values go in at past."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, nh, T, hd) as strided views; SDPA takes them without copies.
+        q = q.view(B, T, self.n_head, -1).transpose(1, 2)
+        k = k.view(B, T, self.n_head, -1).transpose(1, 2)
+        v = v.view(B, T, self.n_head, -1).transpose(1, 2)
+        if kv is not None:
+            k_buf, v_buf, past = kv
+            k_buf[:, :, past:past + T] = k
+            v_buf[:, :, past:past + T] = v
+            k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
+        # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
+        # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+            dropout_p=self.dropout if self.training else 0.0)
+        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.resid_drop(y) if self.training and self.dropout > 0 else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Position-wise MLP: C -> 4C -> C with GELU in GPT-2's tanh form
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.dropout = config.dropout
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.drop(y) if self.training and self.dropout > 0 else y
+
+
+# ---------------------------------------------------------------------------------------------
+# Pre-LN Transformer block (GPT-2 moved LayerNorm to each sub-block's input)
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.attn = Attention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, mask=None, kv=None):
+        x = x + self.attn(self.ln_1(x), mask, kv)
+        x = x + self.mlp(self.ln_2(x))
+        return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Output layer matmul with aligned rows
+
+class _AlignedLinear(torch.autograd.Function):
+    """x (N, C) @ w.T -> (N, V), written into rows padded to a multiple of 64 floats.
+
+    With V = 50,257 the row length of a plain contiguous output is odd, and CPU sgemm runs
+    ~1.5x slower than with an aligned row stride. The result is the (N, V) view of that buffer,
+    the same strided view the pad_vocab_multiple path returns; the values are those of x @ w.T."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        V = w.shape[0]
+        out = x.new_empty(x.shape[0], -(-V // 64) * 64)[:, :V]
+        torch.mm(x, w.t(), out=out)
+        ctx.save_for_backward(x, w)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        dx = g @ w if ctx.needs_input_grad[0] else None
+        dw = g.t() @ x if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+def _trim_vocab_padding(module, state_dict, prefix, local_metadata):
+    """state_dict post-hook: checkpoints hold the real vocabulary rows only."""
+    key = prefix + "wte.weight"
+    if key in state_dict:
+        state_dict[key] = state_dict[key][: module.config.vocab_size]
+
+
+def _restore_vocab_padding(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    """load_state_dict pre-hook: append the (zero) padding rows to an unpadded wte."""
+    key = prefix + "wte.weight"
+    w = state_dict.get(key)
+    cfg = module.config
+    if w is not None and w.dim() == 2 and w.shape[0] == cfg.vocab_size:
+        pad = w.new_zeros(cfg.padded_vocab_size - cfg.vocab_size, w.shape[1])
+        state_dict[key] = torch.cat([w, pad])
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.drop = nn.Dropout(config.dropout)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        if config.padded_vocab_size != config.vocab_size:
+            self.register_state_dict_post_hook(_trim_vocab_padding)
+            self.register_load_state_dict_pre_hook(_restore_vocab_padding)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """N(0, 0.02) everywhere, biases 0, LayerNorm 1/0; the projections that write into the
+        residual stream (attn.c_proj, mlp.c_proj) get std 0.02/sqrt(2 n_layer), since each of the
+        2 n_layer residual branches adds its variance to the stream (GPT-2 paper, section 2.3)."""
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif ".ln_" in name or name.startswith("ln_"):
+                nn.init.ones_(p)
+            elif name.endswith("c_proj.weight"):
+                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, 0.02)
+        with torch.no_grad():
+            self.wte.weight[self.config.vocab_size:].zero_()   # padding rows stay 0 (no gradient reaches them)
+
+    def num_params(self) -> int:
+        """Parameters with the tied embedding counted once and vocabulary padding excluded."""
+        pad = (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
+        return sum(p.numel() for p in self.parameters()) - pad
+
+    def _check(self, idx, attention_mask, cache):
+        if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
+            raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
+        if idx.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"idx must hold integer token ids (int64), got dtype {idx.dtype}")
+        B, T = idx.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
+        past = 0 if cache is None else cache.length
+        if past + T > self.config.block_size:
+            raise ValueError(f"sequence length {past + T} (cache {past} + new {T}) exceeds the "
+                             f"context block_size={self.config.block_size}; truncate the input")
+        if cache is not None and (cache.batch_size != B or past + T > cache.max_len):
+            raise ValueError(f"cache holds batch {cache.batch_size} x {cache.max_len} positions "
+                             f"({past} used); got batch {B} with {T} new tokens")
+        lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= self.config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(f"attention_mask must have shape (B, past + T) = ({B}, {past + T}), "
+                             f"got {tuple(attention_mask.shape)}")
+
+    def hidden(self, idx, attention_mask=None, cache=None):
+        """idx (B, T) -> hidden states (B, T, n_embd) after ln_f.
+
+        attention_mask (B, past + T) of 0/1 marks left padding (1 = real token); positions then
+        count real tokens only, so a padded row gives the same values as the unpadded row. With
+        a cache, the T new keys/values are written into it and cache.length advances by T."""
+        self._check(idx, attention_mask, cache)
+        B, T = idx.shape
+        past = 0 if cache is None else cache.length
+        S = past + T
+        device = idx.device
+        if attention_mask is not None and bool(attention_mask.all()):
+            attention_mask = None   # no padding: take the plain causal path
+        mask = None
+        if attention_mask is None:
+            pos_emb = self.wpe.weight[past:S]                                 # (T, C)
+            if past > 0 and T > 1:   # new queries see the whole past and causally among themselves
+                q_pos = torch.arange(past, S, device=device)[:, None]
+                mask = torch.arange(S, device=device)[None, :] <= q_pos       # (T, S)
+        else:
+            real = attention_mask.to(device=device, dtype=torch.bool)            # (B, S)
+            pos = (real.long().cumsum(-1) - 1).clamp(min=0)[:, past:]           # (B, T)
+            pos_emb = self.wpe(pos)
+            q_pos = torch.arange(past, S, device=device)[:, None]
+            k_pos = torch.arange(S, device=device)[None, :]
+            # Causal, real keys only; every query also sees itself so a padding row (no real key
+            # yet) stays finite. Real queries never see padding keys.
+            mask = (k_pos <= q_pos) & (real[:, None, :] | (k_pos == q_pos))    # (B, T, S)
+            mask = mask[:, None]                                               # (B, 1, T, S)
+        x = self.wte(idx) + pos_emb
+        if self.training and self.config.dropout > 0:
+            x = self.drop(x)
+        for i, block in enumerate(self.h):
+            kv = None if cache is None else (cache.k[i], cache.v[i], past)
+            x = block(x, mask, kv)
+        if cache is not None:
+            cache.length = S
+        return self.ln_f(x)
+
+    def head(self, h):
+        """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view with rows padded
+        to a multiple of 64 floats (use .reshape or .view(-1, V), not a flat .view)."""
+        V, Vp = self.config.vocab_size, self.config.padded_vocab_size
+        if Vp != V:          # padded embedding: aligned matmul, then drop the padding columns
+            return F.linear(h, self.wte.weight)[..., :V]
+        if V % 64 == 0 or torch.is_autocast_enabled(h.device.type):   # autocast casts F.linear itself
+            return F.linear(h, self.wte.weight)
+        return _AlignedLinear.apply(h.reshape(-1, h.shape[-1]), self.wte.weight).view(*h.shape[:-1], V)
+
+    def forward(self, idx, attention_mask=None, cache=None):
+        """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""
+        return self.head(self.hidden(idx, attention_mask, cache))

