@@ -179,6 +179,37 @@ def test_encoding_layout_and_specials(toks):
         ours.encode("a b c", max_length=4, truncation="only_second")
 
 
+def test_encoding_lists_built_once_and_gc_cheap(toks):
+    """The lists are made on first read and then kept (a mutation sticks); until then an Encoding
+    holds only tuples the garbage collector untracks, so keeping many of them stays cheap."""
+    import gc
+    ours, _ = toks["uncased"]
+    e = ours.encode("héllo wörld, [MASK]!")
+    gc.collect()
+    gc.collect()  # the first pass untracks the inner (start, end) tuples, the second the outer one
+    assert gc.is_tracked(e) and not gc.is_tracked(e._ids) and not gc.is_tracked(e._offsets)
+    assert e.ids is e.ids and e.offsets is e.offsets and e.segment_ids is e.segment_ids
+    e.ids.append(7)
+    assert e.ids[-1] == 7 and e.segment_ids == [0] * 7  # segment/special lists keep the encoded length
+    assert e.special_mask == [1, 0, 0, 0, 0, 0, 1]
+    a, b = ours.encode("x y", "z"), ours.encode("x y", "z")
+    assert a == b and a != ours.encode("x y") and a.ids == [101, 1060, 1061, 102, 1062, 102]
+    assert repr(a) == ("Encoding(ids=[101, 1060, 1061, 102, 1062, 102], segment_ids=[0, 0, 0, 0, 1, 1], "
+                       "offsets=[(0, 0), (0, 1), (2, 3), (0, 0), (0, 1), (0, 0)], special_mask=[1, 0, 0, 1, 0, 1])")
+
+
+def test_caches_stay_bounded_and_exact(toks, monkeypatch):
+    from duolm.tokenizers import wordpiece as wp
+    _, hf = toks["uncased"]
+    ours = WordPiece(dict(toks["uncased"][0].vocab))
+    monkeypatch.setattr(wp, "_CACHE_SIZE", 8)
+    text = "naïve café déjà vu, Ōsaka 東京 über straße crème brûlée"
+    for _ in range(3):
+        for line in (text, text.upper(), text + " x"):
+            assert_same(ours, hf, line)
+    assert len(ours._chunks) <= 8 and len(ours._cache) <= 8
+
+
 def test_decode_matches_hf(toks):
     for ours, hf in toks.values():
         for text in ("Hello , world . isn't it? unaffable [MASK] naïve 中文", "a.b,c!d?e 's do not", ""):

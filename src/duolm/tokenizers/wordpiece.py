@@ -32,8 +32,7 @@ import json
 import re
 import unicodedata
 from collections import Counter
-from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, islice
 from pathlib import Path
 from typing import Iterable
 
@@ -186,18 +185,61 @@ def wordpiece(word: str, vocab: dict[str, int], unk_id: int, max_piece: int = 1 
     return tuple(out)
 
 
-@dataclass
 class Encoding:
-    """One encoded input: [CLS] A [SEP] (B [SEP]).
+    """One encoded input: [CLS] A [SEP] (B [SEP]); attributes ids, segment_ids, offsets and
+    special_mask, each a list.
 
     offsets are (start, end) character spans into the original text of the segment the token came
     from ((0, 0) for [CLS]/[SEP]), as HF's offset_mapping; special_mask is 1 for the added
     [CLS]/[SEP] only (a "[MASK]" typed in the text counts as text, as in HF).
+    Each list is built on its first read (later reads return that same list): until then an
+    Encoding holds tuples, which Python's garbage collector stops scanning, so keeping millions
+    of encodings does not make every collection walk all their lists (it tripled the time of
+    [tok.encode(line) for line in lines]).
     """
-    ids: list[int] = field(default_factory=list)
-    segment_ids: list[int] = field(default_factory=list)
-    offsets: list[tuple[int, int]] = field(default_factory=list)
-    special_mask: list[int] = field(default_factory=list)
+    __slots__ = ("_ids", "_offsets", "_n", "_m", "_segment_ids", "_special_mask")
+
+    def __init__(self, ids: tuple, offsets: tuple, n_first: int):  # n_first: tokens of segment 0
+        self._ids, self._offsets, self._n, self._m = ids, offsets, n_first, len(ids) - n_first
+        self._segment_ids = self._special_mask = None
+
+    @property
+    def ids(self) -> list[int]:
+        if type(self._ids) is tuple:
+            self._ids = list(self._ids)
+        return self._ids
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        if type(self._offsets) is tuple:
+            self._offsets = list(self._offsets)
+        return self._offsets
+
+    @property
+    def segment_ids(self) -> list[int]:
+        if self._segment_ids is None:
+            self._segment_ids = [0] * self._n + [1] * self._m
+        return self._segment_ids
+
+    @property
+    def special_mask(self) -> list[int]:
+        if self._special_mask is None:
+            n, m = self._n, self._m
+            self._special_mask = [1, *[0] * (n - 2), 1, *[0] * (m - 1), *[1] * (m > 0)]
+        return self._special_mask
+
+    def __eq__(self, other):
+        if not isinstance(other, Encoding):
+            return NotImplemented
+        return all(getattr(self, k) == getattr(other, k) for k in _ENCODING_FIELDS)
+
+    __hash__ = None
+
+    def __repr__(self):
+        return "Encoding(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in _ENCODING_FIELDS) + ")"
+
+
+_ENCODING_FIELDS = ("ids", "segment_ids", "offsets", "special_mask")
 
 
 class WordPiece:
@@ -214,7 +256,8 @@ class WordPiece:
         self.special_ids = frozenset(self.vocab[s] for s in SPECIALS)
         self._max_piece = max(len(t) for t in self.vocab)
         self._chars: dict[str, tuple[int, str]] = {}  # _classify cache (bounded by the alphabet)
-        self._cache: dict[str, tuple] = {}
+        self._cache: dict[str, tuple] = {}  # word -> pieces
+        self._chunks: dict[str, tuple] = {}  # whitespace-free chunk -> its words (see _words)
         self._seed_cache()
 
     @property
@@ -256,24 +299,32 @@ class WordPiece:
     def _words(self, text: str, base: int, out: list) -> None:
         """Append (word, start, align) for each pre-token of text (no special-token handling).
 
-        word is normalised; align is None when word == text[start:start+len(word)] up to case,
-        else a list giving, per character of word, the index of the original character (+ base).
+        word is normalised; start is its index in the whole input (text begins at index base);
+        align is None when word equals the input[start:start+len(word)] up to case, else a tuple
+        giving, per character of word, the index of its original character counted from start.
         """
         if text.isascii() and not _ASCII_CONTROL.search(text):  # fast path: no normalisation but case
             out.extend((w.group(), base + w.start(), None) for w in _ASCII_WORD.finditer(text))
             return
+        chunks = self._chunks
         for m in _CHUNK.finditer(text):
-            chunk, start = m.group(), m.start() + base
-            if chunk.isascii() and _ASCII_SAFE.fullmatch(chunk):
-                for w in _ASCII_WORD.finditer(chunk):
-                    out.append((w.group(), start + w.start(), None))
-            else:
-                self._words_slow(chunk, start, out)
+            chunk = m.group()
+            words = chunks.get(chunk)
+            if words is None:
+                if len(chunks) >= _CACHE_SIZE:
+                    chunks.clear()
+                words = chunks[chunk] = self._split_chunk(chunk)
+            start = base + m.start()
+            for w, rel, align in words:
+                out.append((w, start + rel, align))
 
-    def _words_slow(self, chunk: str, base: int, out: list) -> None:
+    def _split_chunk(self, chunk: str) -> tuple:
+        """(word, start in chunk, align) for the words of one whitespace-free chunk."""
+        if chunk.isascii() and _ASCII_SAFE.fullmatch(chunk):
+            return tuple((w.group(), w.start(), None) for w in _ASCII_WORD.finditer(chunk))
         chars, lowercase = self._chars, self.lowercase
-        word, align = [], []
-        for i, c in enumerate(chunk, base):
+        out, word, align = [], [], []
+        for i, c in enumerate(chunk):
             r = chars.get(c)
             if r is None:
                 r = chars[c] = _classify(c, lowercase)
@@ -283,23 +334,24 @@ class WordPiece:
                 align.extend([i] * len(norm))
                 continue
             if word:
-                out.append(("".join(word), base, align))
+                out.append(("".join(word), 0, tuple(align)))
                 word, align = [], []
             if kind == _ALONE:
-                out.append((norm, base, [i] * len(norm)))
+                out.append((norm, 0, (i,) * len(norm)))
             elif kind == _MIXED:
                 for ch in norm:
                     if _is_punct(ch) or ch.isspace():
                         if word:
-                            out.append(("".join(word), base, align))
+                            out.append(("".join(word), 0, tuple(align)))
                             word, align = [], []
                         if not ch.isspace():
-                            out.append((ch, base, [i]))
+                            out.append((ch, 0, (i,)))
                     else:
                         word.append(ch)
                         align.append(i)
         if word:
-            out.append(("".join(word), base, align))
+            out.append(("".join(word), 0, tuple(align)))
+        return tuple(out)
 
     def _lookup(self, word: str, norm: str) -> tuple:
         """Cached wordpiece split of one pre-token; the cache is keyed by the raw ASCII word or the
@@ -317,13 +369,13 @@ class WordPiece:
             # a word starts where the text before it ends.
             parts = _ASCII_SPLIT.split(text)
             words = parts[1::2]
-            starts = list(accumulate(map(len, parts)))[0:-1:2]
             found = list(map(cache.get, words))
             if None in found:
                 lower = self.lowercase
                 found = [p if p is not None else self._lookup(w, w.lower() if lower else w)
                          for w, p in zip(words, found)]
             ids = [i for p in found for i, _, _ in p]
+            starts = islice(accumulate(map(len, parts)), 0, None, 2)
             offsets = [(s + a, s + b) for s, p in zip(starts, found) for _, a, b in p]
             return ids, offsets
         words: list = []
@@ -349,7 +401,7 @@ class WordPiece:
             else:
                 for i, a, b in pieces:
                     ids.append(i)
-                    offsets.append((align[a], align[b - 1] + 1))
+                    offsets.append((start + align[a], start + align[b - 1] + 1))
         return ids, offsets
 
     def tokenize(self, text: str) -> list[str]:
@@ -364,21 +416,14 @@ class WordPiece:
         if truncation not in ("longest_first", "only_first", "only_second"):
             raise ValueError(f"truncation must be 'longest_first', 'only_first' or 'only_second', not {truncation!r}")
         a_ids, a_off = self._pieces(text)
-        b_ids, b_off = self._pieces(pair) if pair is not None else ([], [])
+        b_ids, b_off = self._pieces(pair) if pair is not None else ((), ())
         if max_length is not None:
             n_a, n_b = _truncated_lengths(len(a_ids), len(b_ids), pair is not None, max_length, truncation)
             a_ids, a_off, b_ids, b_off = a_ids[:n_a], a_off[:n_a], b_ids[:n_b], b_off[:n_b]
-        cls, sep = self.cls_id, self.sep_id
-        ids = [cls, *a_ids, sep]
-        offsets = [(0, 0), *a_off, (0, 0)]
-        segment_ids = [0] * len(ids)
-        if pair is not None:
-            ids += [*b_ids, sep]
-            offsets += [*b_off, (0, 0)]
-            segment_ids += [1] * (len(b_ids) + 1)
-        special_mask = [0] * len(ids)
-        special_mask[0] = special_mask[len(a_ids) + 1] = special_mask[-1] = 1
-        return Encoding(ids, segment_ids, offsets, special_mask)
+        cls, sep, none = self.cls_id, self.sep_id, (0, 0)
+        if pair is None:
+            return Encoding((cls, *a_ids, sep), (none, *a_off, none), len(a_ids) + 2)
+        return Encoding((cls, *a_ids, sep, *b_ids, sep), (none, *a_off, none, *b_off, none), len(a_ids) + 2)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         """Text of ids as HF's WordPiece decoder: pieces joined by spaces, "##" pieces glued on,
