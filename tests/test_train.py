@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from duolm.models import GPT2, GPT2Config
 from duolm.train import (CAUSAL_LM, IGNORE, MLM_NSP, Objective, TrainConfig, causal_lm_loss, lr_at, mlm_nsp_loss,
                          param_groups, train)
-from duolm.train.logs import crc32c, read_jsonl, read_scalars
+from duolm.train.logs import crc32c, nice_ticks, plot_curves, read_jsonl, read_scalars
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -210,8 +210,15 @@ def test_run_logs_jsonl_tensorboard_png(tmp_path):
     manifest = json.loads((tmp_path / "checkpoint.json").read_text())
     assert manifest["checkpoints"] == ["ckpt-00000004", "ckpt-00000006"]
     assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == manifest["checkpoints"]
-    # PNG: a valid file whose pixels include the train curve's blue
-    png = (tmp_path / "loss.png").read_bytes()
+    # PNG: a valid file whose pixels include the train curve's blue and the val curve's orange
+    w, h, rows = read_png(tmp_path / "loss.png")
+    raw = b"".join(rows)
+    assert raw.count(bytes((31, 119, 180))) > 20 and raw.count(bytes((255, 127, 14))) > 20
+
+
+def read_png(path) -> tuple[int, int, list[bytes]]:
+    """Decodes our 8-bit RGB PNG, checking every chunk's CRC and the pixel data's size: (w, h, RGB rows)."""
+    png = Path(path).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     w, h = struct.unpack(">II", png[16:24])
     i, idat = 8, b""
@@ -223,7 +230,37 @@ def test_run_logs_jsonl_tensorboard_png(tmp_path):
         i += 12 + n
     raw = zlib.decompress(idat)
     assert len(raw) == h * (1 + 3 * w)
-    assert raw.count(bytes((31, 119, 180))) > 20 and raw.count(bytes((255, 127, 14))) > 20
+    return w, h, [raw[y * (1 + 3 * w) + 1:(y + 1) * (1 + 3 * w)] for y in range(h)]
+
+
+def test_nice_ticks():
+    # span 4.42: steps 0.1, 0.2, 0.5 give 41, 22, 9 ticks (> 5); step 1 gives 4
+    assert nice_ticks(3.21, 7.63) == [4, 5, 6, 7]
+    assert nice_ticks(0, 400) == [0, 100, 200, 300, 400]
+    assert nice_ticks(1, 6) == [2, 4, 6]                      # step 1 would give 6 ticks
+    assert nice_ticks(0.0012, 0.0051) == [0.002, 0.003, 0.004, 0.005]  # rounded: no 0.0030000000000000005
+    assert nice_ticks(2.5, 2.5) == [2.5]
+    for lo, hi in [(0.37, 0.91), (1, 1e6), (-3, 17), (5.123, 5.9)]:
+        t = nice_ticks(lo, hi)
+        assert 3 <= len(t) <= 5 and lo <= t[0] and t[-1] <= hi
+
+
+def test_loss_png_has_labels(tmp_path):
+    train_c = [(s, 3 + 4.5 * math.exp(-s / 80)) for s in range(1, 401)]
+    plot_curves(tmp_path / "loss.png", {"train": train_c, "val": [(s, v + 0.2) for s, v in train_c[::50]]})
+    w, h, rows = read_png(tmp_path / "loss.png")
+    assert (w, h) == (640, 400)
+    black = lambda y, x0, x1: sum(rows[y][3 * x:3 * x + 3] == b"\0\0\0" for x in range(x0, x1))
+    # y tick labels (right-aligned, the longest starting at x=7) and the "loss" title, left of the frame
+    assert sum(black(y, 0, 14) for y in range(32, h - 44)) > 30
+    assert sum(black(y, 0, 40) for y in range(0, 24)) > 20
+    # x tick labels and the "step" title below the frame; the legend's text in the top right corner
+    x_labels = [black(y, 0, w) for y in range(h - 36, h - 26)]
+    assert sum(x_labels) > 60 and max(x_labels) < w // 2      # text, not a frame line
+    assert sum(black(y, 0, w) for y in range(h - 18, h - 8)) > 20
+    assert sum(black(y, w - 120, w - 21) for y in range(40, 70)) > 40
+    # the legend's swatches carry the curves' colours
+    assert sum(rows[y].count(bytes((255, 127, 14))) for y in range(55, 65)) >= 14
 
 
 def test_same_math_as_transformers():

@@ -194,15 +194,37 @@ def _png(pixels: bytearray, w: int, h: int) -> bytes:
             + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
+# 3x5 pixel font: a glyph is 5 rows, each row one octal digit whose bits are its 3 pixels (4 = left).
+_FONT = dict(zip("0123456789.-+aeilnoprstv", (
+    "75557 26227 71747 71317 55711 74717 74757 71122 75757 75717 00002 00700 02720 "
+    "06137 02563 20222 62227 06555 02552 06564 05644 03416 27223 05552").split()))
+
+
+def nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round axis-tick values in [lo, hi]: the multiples of the finest 1-2-5 step (.., 0.1, 0.2, 0.5, 1, 2, ..)
+    that give 3 to n ticks (else the finest giving at most n).
+
+    nice_ticks(3.21, 7.63): steps 0.1, 0.2, 0.5 give 41, 22, 9 ticks; step 1 gives [4, 5, 6, 7].
+    """
+    if not hi > lo:
+        return [lo]
+    e = math.floor(math.log10((hi - lo) / n))
+    cands = [[round(i * s, max(0, -e)) for i in range(math.ceil(lo / s - 1e-9), math.floor(hi / s + 1e-9) + 1)]
+             for s in (m * 10.0 ** k for k in (e, e + 1) for m in (1, 2, 5))]
+    return next((t for t in cands if 3 <= len(t) <= n), None) or next(t for t in cands if len(t) <= n)
+
+
 def plot_curves(path, curves: dict[str, list[tuple[float, float]]], width: int = 640, height: int = 400):
-    """Draws each (step, value) series as a polyline on a white canvas with a frame and 1-2-5 grid lines.
+    """Draws each (step, value) series as a polyline on a white canvas: frame, grid and tick labels at
+    nice_ticks values, axis titles "step" / "loss", and a legend in the top right corner.
 
     Colours in order: blue, orange, green, red (the legend is the order of `curves`; train first).
     Written atomically.
     """
     colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40)]
+    black, grey = (0, 0, 0), (225, 225, 225)
     px = bytearray(b"\xff" * (width * height * 3))
-    left, right, top, bottom = 40, width - 10, 10, height - 30
+    left, right, top, bottom = 40, width - 20, 32, height - 44
     pts = [(x, y) for c in curves.values() for x, y in c if math.isfinite(y)]
 
     def put(x, y, col):
@@ -224,31 +246,51 @@ def plot_curves(path, curves: dict[str, list[tuple[float, float]]], width: int =
             if e2 <= dx:
                 err += dx; y0 += sy
 
+    def rect(x0, y0, w, h, col):
+        for y in range(y0, y0 + h):
+            line(x0, y, x0 + w - 1, y, col)
+
+    def text(x, y, s, col=black):  # top-left corner at (x, y); each font pixel drawn 2x2
+        for i, ch in enumerate(s):
+            for r, row in enumerate(_FONT.get(ch, "00000")):
+                for c in range(3):
+                    if int(row) >> (2 - c) & 1:
+                        rect(x + 8 * i + 2 * c, y + 2 * r, 2, 2, col)
+
+    tw = lambda s: 8 * len(s) - 2  # pixel width of `s`
     if pts:
         xmin, xmax = min(p[0] for p in pts), max(p[0] for p in pts)
         ymin, ymax = min(p[1] for p in pts), max(p[1] for p in pts)
         xmax, ymax = (xmax if xmax > xmin else xmin + 1), (ymax if ymax > ymin else ymin + 1)
+        yticks, xticks = nice_ticks(ymin, ymax), nice_ticks(xmin, xmax)
+        left = 14 + max(tw(f"{v:g}") for v in yticks)
         sx = lambda x: left + round((x - xmin) / (xmax - xmin) * (right - left))
         sy = lambda y: bottom - round((y - ymin) / (ymax - ymin) * (bottom - top))
-        # horizontal grid at "nice" values of the loss
-        step = 10 ** math.floor(math.log10((ymax - ymin) / 2))
-        for m in (1, 2, 5, 10):
-            if (ymax - ymin) / (step * m) <= 8:
-                step *= m
-                break
-        g = math.ceil(ymin / step) * step
-        while g <= ymax:
-            line(left, sy(g), right, sy(g), (225, 225, 225))
-            g += step
+        for v in yticks:
+            line(left, sy(v), right, sy(v), grey)
+            line(left - 4, sy(v), left - 1, sy(v), black)
+            text(left - 7 - tw(f"{v:g}"), sy(v) - 5, f"{v:g}")
+        for v in xticks:
+            line(sx(v), top, sx(v), bottom, grey)
+            line(sx(v), bottom + 1, sx(v), bottom + 4, black)
+            text(min(sx(v) - tw(f"{v:g}") // 2, width - 2 - tw(f"{v:g}")), bottom + 8, f"{v:g}")
         for color, series in zip(colors * 4, curves.values()):
             s = [(sx(x), sy(y)) for x, y in series if math.isfinite(y)]
             for (x0, y0), (x1, y1) in zip(s, s[1:]):
                 line(x0, y0, x1, y1, color)
             if len(s) == 1:
                 line(s[0][0] - 1, s[0][1], s[0][0] + 1, s[0][1], color)
+        # legend: a swatch and the name of each curve, on white, in the top right corner
+        lx = right - 30 - max(tw(name) for name in curves)
+        rect(lx - 8, top + 1, right - lx + 7, 16 * len(curves) + 10, (255, 255, 255))
+        for i, (color, name) in enumerate(zip(colors * 4, curves)):
+            rect(lx, top + 13 + 16 * i, 14, 3, color)
+            text(lx + 20, top + 10 + 16 * i, name)
+        text((left + right) // 2 - tw("step") // 2, bottom + 26, "step")
+        text(max(2, left - 7 - tw("loss")), top - 24, "loss")
     for a, b in (((left, top), (right, top)), ((right, top), (right, bottom)),
                  ((right, bottom), (left, bottom)), ((left, bottom), (left, top))):
-        line(*a, *b, (0, 0, 0))
+        line(*a, *b, black)
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(_png(px, width, height))
