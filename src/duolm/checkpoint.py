@@ -34,7 +34,7 @@ from safetensors.torch import save_file as _st_save_file
 
 from duolm.convert import hf as _hf
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
-from duolm.tokenizers import ByteLevelBPE, WordPiece
+from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 
 FORMAT = "duolm"
 FORMAT_VERSION = 1
@@ -127,34 +127,6 @@ def latest_checkpoint(run_dir) -> Path:
     raise FileNotFoundError(
         f"{run_dir / MANIFEST}: names no complete checkpoint (tried {names or 'none'}; each needs "
         f"{CONFIG} and {WEIGHTS})")
-
-
-def load_tokenizer(path):
-    """The tokenizer saved in model directory `path`, or None when it holds no tokenizer files."""
-    path = Path(path)
-    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-        return ByteLevelBPE.load(path)
-    if (path / "vocab.txt").is_file():
-        lowercase = None
-        if (path / TOKENIZER_CONFIG).is_file():
-            lowercase = _read_json(path / TOKENIZER_CONFIG).get("do_lower_case")
-        if lowercase is None:
-            lowercase = _looks_uncased(path / "vocab.txt")
-        return WordPiece.from_vocab(path / "vocab.txt", lowercase=bool(lowercase))
-    return None
-
-
-def _looks_uncased(vocab_txt: Path) -> bool:
-    with open(vocab_txt, encoding="utf-8") as f:
-        for line in f:
-            piece = line.rstrip("\n")
-            if piece.startswith("[") and piece.endswith("]"):
-                continue  # [CLS], [unused0], ...
-            if piece.startswith("<") and piece.endswith(">"):
-                continue  # <s>, <unk>, ...
-            if piece.lower() != piece:  # a piece lower-casing would change: a cased vocab
-                return False
-    return True
 
 
 def _load_native(path: Path, cfg: dict):

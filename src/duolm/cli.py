@@ -34,22 +34,19 @@ def cmd_tokenizer_train(args):
 
 
 def cmd_tokenizer_encode(args):
-    from pathlib import Path
-    from duolm.tokenizers import ByteLevelBPE, WordPiece
+    from duolm.tokenizers import ByteLevelBPE, load_tokenizer
 
-    d = Path(args.dir)
-    if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
-        tok = ByteLevelBPE.load(d)
+    tok = load_tokenizer(args.dir)
+    if tok is None:
+        raise FileNotFoundError(f"{args.dir} holds no tokenizer: expected vocab.json + merges.txt (BPE) or vocab.txt "
+                                f"(WordPiece); make one with `duolm tokenizer train`")
+    if isinstance(tok, ByteLevelBPE):
         ids = tok.encode(args.text, allowed_special="all")
         pieces = [tok.decode_bytes([i]) for i in ids]  # text, or the bytes of a piece of a character
         pieces = [p.decode() if p.decode(errors="replace") == p.decode(errors="ignore") else str(p) for p in pieces]
-    elif (d / "vocab.txt").is_file():
-        tok = WordPiece.load(d)
-        ids = tok.encode(args.text).ids
-        inverse = {i: t for t, i in tok.vocab.items()}
-        pieces = [inverse[i] for i in ids]
     else:
-        raise FileNotFoundError(f"{d} holds no tokenizer: expected vocab.json + merges.txt (BPE) or vocab.txt (WordPiece)")
+        ids = tok.encode(args.text).ids
+        pieces = [tok.inv[i] for i in ids]
     print("ids:   ", ids)
     print("pieces:", pieces)
 
@@ -446,7 +443,7 @@ def _add_demo(sub):
     p.add_argument("--text", default=None, help="your own text file instead (blank lines separate documents)")
     p.add_argument("-o", "--out", default="runs/demo")
     p.add_argument("--gpt2-steps", type=int, default=400)
-    p.add_argument("--bert-steps", type=int, default=300)
+    p.add_argument("--bert-steps", type=int, default=500)
     p.set_defaults(func=cmd_demo)
 
 

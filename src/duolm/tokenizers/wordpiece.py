@@ -276,15 +276,20 @@ class WordPiece:
 
     @classmethod
     def load(cls, directory) -> "WordPiece":
+        """vocab.txt + tokenizer_config.json's do_lower_case; without it, lower-case only when the
+        vocabulary has no piece that lower-casing would change (an uncased vocabulary)."""
         d = Path(directory)
-        lowercase = True  # HF's default when tokenizer_config.json is absent
+        lowercase = None
         cfg = d / "tokenizer_config.json"
         if cfg.is_file():
             try:
-                lowercase = bool(json.loads(cfg.read_text(encoding="utf-8")).get("do_lower_case", True))
+                lowercase = json.loads(cfg.read_text(encoding="utf-8")).get("do_lower_case")
             except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
                 raise ValueError(f"{cfg}: not a JSON object ({e}); delete it or rewrite it") from None
-        return cls.from_vocab(d / "vocab.txt", lowercase=lowercase)
+        vocab_txt = d / "vocab.txt"
+        if lowercase is None:
+            lowercase = _looks_uncased(vocab_txt)
+        return cls.from_vocab(vocab_txt, lowercase=bool(lowercase))
 
     def save(self, directory) -> None:
         d = Path(directory)
@@ -591,3 +596,14 @@ def read_vocab(path) -> dict[str, int]:
             raise ValueError(f"{p}, line {n + 1}: {tok!r} repeats line {vocab[tok] + 1}; a token may appear once")
         vocab[tok] = n
     return vocab
+
+
+def _looks_uncased(vocab_txt) -> bool:
+    with open(vocab_txt, encoding="utf-8") as f:
+        for line in f:
+            piece = line.rstrip("\n")
+            if piece[:1] + piece[-1:] in ("[]", "<>"):
+                continue  # [CLS], [unused0], <s>, ...
+            if piece.lower() != piece:  # a piece lower-casing would change: a cased vocabulary
+                return False
+    return True

@@ -1,0 +1,53 @@
+"""`duolm tokenizer train|encode` through the command's own entry point."""
+import ast
+
+import pytest
+
+from duolm.cli import main
+from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
+
+
+@pytest.fixture
+def corpus(data_dir, tmp_path):
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_text(encoding="utf-8")[:60_000]
+    path = tmp_path / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _printed(out: str, label: str):
+    line = next(l for l in out.splitlines() if l.startswith(label))
+    return ast.literal_eval(line[len(label):].strip())
+
+
+@pytest.mark.parametrize("kind, cls, size", [("bpe", ByteLevelBPE, 400), ("wordpiece", WordPiece, 300)])
+def test_tokenizer_train_then_encode(kind, cls, size, corpus, tmp_path, capsys):
+    out = tmp_path / "tok"
+    main(["tokenizer", "train", "--kind", kind, "--vocab-size", str(size), str(corpus), "-o", str(out)])
+    summary = capsys.readouterr().out
+    tok = load_tokenizer(out)
+    assert isinstance(tok, cls) and tok.vocab_size == size
+    assert f"vocab {size}" in summary and str(out) in summary
+
+    text = "To be, or not to be: that is the question."
+    main(["tokenizer", "encode", str(out), text])
+    printed = capsys.readouterr().out
+    ids = tok.encode(text) if kind == "bpe" else tok.encode(text).ids
+    assert _printed(printed, "ids:") == ids
+    pieces = _printed(printed, "pieces:")
+    assert len(pieces) == len(ids)
+    if kind == "bpe":
+        assert "".join(pieces) == text          # BPE pieces are the text, byte for byte
+    else:
+        assert pieces[0] == "[CLS]" and pieces[-1] == "[SEP]"
+
+
+def test_tokenizer_errors_say_what_to_do(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "encode", str(tmp_path), "hello"])
+    assert e.value.code == 2
+    assert "duolm tokenizer train" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["tokenizer", "train", "--kind", "bpe", "--vocab-size", "300", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "t")])
+    assert e.value.code == 2
+    assert "missing.txt" in capsys.readouterr().err
