@@ -48,7 +48,7 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
 
 
-def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 300):
+def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 500):
     from duolm.checkpoint import load
     from duolm.cli import main as duolm_main
     from duolm.data import prepare
@@ -106,7 +106,7 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     bert_run = out / "bert"
     duolm_main(["pretrain", "bert", "--data", str(out / "data-bert"), "-o", str(bert_run), "--n-layer", "4",
                 "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "32",
-                "--max-steps", str(bert_steps), "--lr", "2e-3", "--warmup-steps", "30", "--eval-every",
+                "--max-steps", str(bert_steps), "--lr", "1e-3", "--warmup-steps", "30", "--eval-every",
                 str(max(bert_steps // 4, 1)), "--eval-batches", "8", "--checkpoint-every",
                 str(max(bert_steps // 2, 1)), "--masking", "dynamic"])
     bert, wtok = load(bert_run)
