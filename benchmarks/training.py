@@ -58,7 +58,7 @@ def theirs(config, B, T, steps):
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-4, betas=(0.9, 0.95))
+                            lr=3e-4, betas=(0.9, 0.95), fused=True)
     data, speeds = RandomTokens(config.vocab_size, T), []
     for step in range(steps + 1):
         t0 = time.perf_counter()

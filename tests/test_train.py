@@ -124,7 +124,8 @@ def test_accumulation_equals_one_big_batch():
         rows = train(model, CAUSAL_LM, Windows(), cfg)["rows"]
         results[micro] = (_losses(rows), [r["grad_norm"] for r in rows], model.state_dict())
     (l1, g1, w1), (l4, g4, w4) = results[16], results[4]
-    assert l1 == pytest.approx(l4, abs=1e-6, rel=0) and g1 == pytest.approx(g4, rel=1e-5)
+    assert l1[0] == pytest.approx(l4[0], abs=1e-6, rel=0)         # the same first step, to rounding
+    assert l1 == pytest.approx(l4, abs=1e-5, rel=0) and g1 == pytest.approx(g4, rel=1e-5)   # fused AdamW amplifies it
     for k in w1:
         torch.testing.assert_close(w1[k], w4[k], atol=1e-5, rtol=0)   # Adam magnifies rounding in ~0 grads
     # averaging per micro-batch instead (the common bug) gives a measurably different loss
