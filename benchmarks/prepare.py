@@ -36,20 +36,19 @@ def _cpu_s() -> float:
 
 def prepare_throughput(files, make_tokenizer, workers=(1, 2), repeat=1) -> dict[int, tuple[float, float]]:
     """For each worker count: (best wall-clock MB/s, MB per CPU-second of all processes) of `prepare`
-    (input UTF-8 bytes). The second number does not depend on what else the machine is running."""
+    (input UTF-8 bytes). The worker counts take turns, so a burst of other load hits them alike; the
+    CPU-second number depends less on what else the machine is running."""
     from duolm.data import prepare
 
-    out = {}
-    for w in workers:
-        best = (0.0, 0.0)
-        for _ in range(repeat):
+    out = {w: (0.0, 0.0) for w in workers}
+    for _ in range(repeat):
+        for w in workers:
             tok = make_tokenizer()
             with tempfile.TemporaryDirectory() as d:
                 t, c = time.perf_counter(), _cpu_s()
                 meta = prepare(files, tok, d, workers=w, val_fraction=0.005)
                 dt, dc = time.perf_counter() - t, _cpu_s() - c
-            best = max(best, (meta["bytes"] / dt / 1e6, meta["bytes"] / dc / 1e6))
-        out[w] = best
+            out[w] = max(out[w], (meta["bytes"] / dt / 1e6, meta["bytes"] / dc / 1e6))
     return out
 
 

@@ -20,6 +20,7 @@ import json
 import multiprocessing
 import os
 import struct
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -154,20 +155,19 @@ def load_documents(data_dir, split: str = "train") -> list[list[list[int]]]:
 
 
 def load_tokenizer(path):
-    """Load the tokenizer saved in a directory: vocab.json + merges.txt -> ByteLevelBPE, vocab.txt -> WordPiece."""
+    """The tokenizer of a tokenizer directory, or of a prepared data directory (its tokenizer/)."""
+    from duolm.tokenizers import load_tokenizer as load
+
     path = Path(path)
     if (path / "tokenizer").is_dir() and (path / "meta.json").is_file():
         path = path / "tokenizer"  # a prepared data directory
     if not path.is_dir():
         raise FileNotFoundError(f"tokenizer directory {path} does not exist")
-    from duolm.tokenizers import ByteLevelBPE, WordPiece
-
-    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
-        return ByteLevelBPE.load(path)
-    if (path / "vocab.txt").is_file():
-        return WordPiece.load(path)
-    raise ValueError(f"{path}: no tokenizer files found (expected vocab.json + merges.txt for byte-level BPE, "
-                     f"or vocab.txt for WordPiece); train one with `duolm tokenizer train`")
+    tok = load(path)
+    if tok is None:
+        raise ValueError(f"{path}: no tokenizer files found (expected vocab.json + merges.txt for byte-level BPE, "
+                         f"or vocab.txt for WordPiece); train one with `duolm tokenizer train`")
+    return tok
 
 
 # --- prepare: text files -> shards --------------------------------------------------------------
@@ -177,10 +177,12 @@ def tokenizer_kind(tokenizer) -> str:
     return "wordpiece" if hasattr(tokenizer, "sep_id") else "bpe"
 
 
-# A byte-level BPE chunk may end only at a newline between two non-space characters: GPT-2's
-# pre-tokenizer never joins such a newline with its neighbours, so encoding the chunks one by one
-# gives exactly the ids of encoding the whole text.
-_SAFE_SPLIT = regex.compile(r"(?<=\S)\n(?=\S)")
+# A byte-level BPE chunk may end only at a newline where GPT-2's pre-tokenizer always ends a piece, so
+# encoding the chunks one by one gives exactly the ids of encoding the whole text: a newline between two
+# non-space characters (a piece of its own), or one followed by a space and a non-space character (the
+# whitespace run ends at the newline: the space starts the next piece, " word" / " =" ...). The second
+# kind is what lets PTB and WikiText (every line starts with a space) be cut at all.
+_SAFE_SPLIT = regex.compile(r"(?<=\S)\n(?=\S)|\n(?= \S)")
 
 
 def _bpe_chunks(text: str, chunk_chars: int) -> list[str]:
@@ -251,11 +253,13 @@ _SHARD_NAME = regex.compile(r"(train|val)_\d{6}\.(bin|sent\.npy|doc\.npy)")
 _WORKER: dict = {}
 
 
-def _worker_init(tok, kind):
-    _WORKER["tok"], _WORKER["kind"] = tok, kind
+def _worker_init(tok, kind, texts):
+    _WORKER.update(tok=tok, kind=kind, texts=texts)
 
 
-def _worker_encode(text):
+def _worker_encode(task):
+    """Encode chunk `task`: an index into the inherited texts (fork), or the text itself (spawn)."""
+    text = task if isinstance(task, str) else _WORKER["texts"][task]
     return _encode_chunk(_WORKER["tok"], _WORKER["kind"], text)
 
 
@@ -388,16 +392,22 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
     (out_dir / "meta.json").unlink(missing_ok=True)  # the directory is incomplete until the new meta is written
     writers = {s: _ShardWriter(out_dir, s, kind, vocab_size, shard_size) for s in ("train", "val")}
     texts = [c for _, c in chunks]
-    if workers == 1:
+    pool = None
+    if workers == 1:  # no pool: encode here
         results = (_encode_chunk(tokenizer, kind, t) for t in texts)
-        pool = None
     else:
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        pool = ctx.Pool(workers, initializer=_worker_init, initargs=(tokenizer, kind))
-        results = pool.imap(_worker_encode, texts, chunksize=1)
+        # Forked workers inherit the tokenizer and the text, so a task is just a chunk number; with spawn
+        # (Windows) the tokenizer is pickled once per worker and each chunk's text is sent. A result is
+        # the chunk's ids in the shard dtype (2 bytes a token). (An executor rather than a
+        # multiprocessing.Pool: the Pool's worker-handler thread spins while a result waits to be read.)
+        fork = "fork" in multiprocessing.get_all_start_methods()
+        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork" if fork else "spawn"),
+                                   initializer=_worker_init, initargs=(tokenizer, kind, texts if fork else None))
+        results = pool.map(_worker_encode, range(len(texts)) if fork else texts)
     done = 0
     try:
+        if hasattr(tokenizer, "save"):  # here, while the workers encode (the main process is idle)
+            tokenizer.save(out_dir / "tokenizer")
         for i, (ids, sent_lens, doc_sents) in enumerate(results):
             split = "val" if is_val[i] else "train"
             if kind == "bpe":
@@ -413,13 +423,10 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
                 progress(done, total)
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(cancel_futures=True)
     for w in writers.values():
         w.flush()
 
-    if hasattr(tokenizer, "save"):
-        tokenizer.save(out_dir / "tokenizer")
     meta = {"format": FORMAT, "version": VERSION, "kind": kind, "vocab_size": vocab_size,
             "dtype": dtype_for_vocab(vocab_size).name, "files": [str(f) for f in files], "bytes": total,
             "val_fraction": val_fraction, "chunk_chars": chunk_chars,
