@@ -7,6 +7,13 @@ decoding is memory-bound: every token reads all weights once, so the bound is (m
 measured here) / (bytes read per token). Next to it, the matvec bound: one pass of F.linear over
 all weights with a single row, i.e. what the CPU's BLAS gemv reaches on this layout.
 
+A third row, "duolm, decode layout", is the same fp32 model through duolm.quant's "decode" mode
+(what `duolm generate` uses for fp32): one-row matmuls read contiguous (in, out) copies of c_attn,
+attn.c_proj, c_fc and the tied output layer, which MKL's gemv streams faster than nn.Linear's
+(out, in). Same numbers up to fp32 rounding (the ids must equal); the cost is memory, the copies sit
+beside the shared originals (for 124M: +226 MB of block matrices, +154 MB for the output layer,
+whose (out, in) matrix is the token embedding wte).
+
 Then the opt-in weight-only modes (duolm.quant: int8 and bf16 matmul weights) at batch 1: their
 speed against fp32 in the same run and what they change in the numbers:
   * on the 124M random weights, KL(fp32 || quantized) and top-1 agreement of next-token
@@ -174,17 +181,21 @@ def main():
           f"GPT-2 124M random weights ({ours.num_params():,} params), prompt {P} tokens, {N} new, greedy")
 
     bw = bandwidth_gbs()
-    ours_run(ours, prompts8[:1], 4), hf_run(hf, prompts8[:1], 4)     # warm-up
+    dec = quantize(ours, "decode")
+    extra = sum(b.numel() * b.element_size() for b in dec.buffers())
+    ours_run(ours, prompts8[:1], 4), ours_run(dec, prompts8[:1], 4), hf_run(hf, prompts8[:1], 4)  # warm-up
     results = {}
     for B in (1, 8):
         prompts = prompts8[:B]
-        t_ours = t_hf = float("inf")
+        t_ours = t_dec = t_hf = float("inf")
         for _ in range(args.repeats):
             t, ids_ours = ours_run(ours, prompts, N)
             t_ours = min(t_ours, t)
+            t, ids_dec = ours_run(dec, prompts, N)
+            t_dec = min(t_dec, t)
             t, ids_hf = hf_run(hf, prompts, N)
             t_hf = min(t_hf, t)
-        results[B] = (B * N / t_ours, B * N / t_hf, ids_ours == ids_hf)
+        results[B] = (B * N / t_ours, B * N / t_dec, B * N / t_hf, ids_ours == ids_hf, ids_dec == ids_ours)
     bw = max(bw, bandwidth_gbs())            # measured before and after the runs; the better one
     per_tok = weight_bytes_per_token(ours, P + N // 2)
     bound = bw * 1e9 / per_tok
@@ -193,12 +204,18 @@ def main():
           f"{per_tok / 1e6:.0f} MB (fp32 weights + mean KV cache) -> bound {bound:.1f} tok/s")
     print(f"matvec bound: one batch-1 F.linear pass over all weights takes {1e3 * mv:.1f} ms "
           f"({weight_bytes_per_token(ours, 0) / mv / 1e9:.1f} GB/s) -> {1 / mv:.1f} tok/s")
-    print(f"{'batch':>5} {'duolm tok/s':>12} {'HF tok/s':>9} {'ratio':>6} {'same ids':>8}")
-    for B, (a, b, same) in results.items():
-        print(f"{B:>5} {a:>12.1f} {b:>9.1f} {a / b:>5.2f}x {str(same):>8}")
-    a1, b1, _ = results[1]
+    print(f"{'batch':>5} {'duolm tok/s':>12} {'decode layout':>13} {'HF tok/s':>9} {'ratio':>6} {'decode/HF':>9} "
+          f"{'same ids':>8}")
+    for B, (a, d, b, same, same_dec) in results.items():
+        print(f"{B:>5} {a:>12.1f} {d:>13.1f} {b:>9.1f} {a / b:>5.2f}x {d / b:>8.2f}x {str(same and same_dec):>8}")
+    a1, d1, b1, _, _ = results[1]
     print(f"batch 1: duolm at {100 * a1 / bound:.0f}% of the memory bound ({100 * a1 * mv:.0f}% of the matvec "
-          f"bound), transformers at {100 * b1 / bound:.0f}% ({100 * b1 * mv:.0f}%)")
+          f"bound), duolm decode layout at {100 * d1 / bound:.0f}% ({100 * d1 * mv:.0f}%), "
+          f"transformers at {100 * b1 / bound:.0f}% ({100 * b1 * mv:.0f}%)")
+    print(f"decode layout (duolm generate's fp32 default): {d1 / a1:.2f}x plain fp32 at batch 1; costs "
+          f"{extra / 1e6:.0f} MB of (in, out) copies ({dec.head_t.numel() * 4 / 1e6:.0f} MB of them the output "
+          f"layer, tied to wte) beside the {4 * ours.num_params() / 1e6:.0f} MB of weights")
+    del dec
 
     # weight-only int8 / bf16 at batch 1, against fp32 in the same run
     print("\nweight-only modes, batch 1 (duolm.quant; fp32 activations, LayerNorm and KV cache):")

@@ -360,6 +360,37 @@ def test_weight_only_logits_close_to_fp32(mode, tol):
         quantize(model, "int4")
 
 
+@pytest.mark.parametrize("pad", [1, 64])
+def test_decode_layout_matches_plain(pad):
+    from duolm.quant import DECODE_KINDS, DecodeGPT2, DecodeLinear, quantize
+    torch.manual_seed(0)
+    model = GPT2(_tiny_config(pad_vocab_multiple=pad)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    d = quantize(model, "decode")
+    everywhere = DecodeGPT2(model, max_rows=10**9)      # the (in, out) path for every input
+    idx = torch.randint(0, 97, (2, 20))
+    with torch.no_grad():
+        ref = model(idx)
+        for m in (d, everywhere):
+            got = m(idx)
+            assert got.shape == ref.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+        # one row: the shape decoding takes (and the only one `d` sends through the copies)
+        torch.testing.assert_close(d(idx[:1, :1]), model(idx[:1, :1]), atol=1e-5, rtol=0)
+    # greedy ids equal at batch 1 and 2 (one row per step at batch 1; the plain path at 2)
+    for prompts in ([idx[0].tolist()], [idx[0].tolist(), idx[1, :7].tolist()]):
+        want = _collect(generate(model, prompts, 12, temperature=0), len(prompts))
+        assert _collect(generate(d, prompts, 12, temperature=0), len(prompts)) == want
+        assert _collect(generate(everywhere, prompts, 12, temperature=0), len(prompts)) == want
+    # the chosen matrices got copies; every parameter is the original's, shared and unchanged
+    kinds = {n for n, m in d.inner.named_modules() if isinstance(m, DecodeLinear)}
+    assert kinds and all(n.endswith(DECODE_KINDS) for n in kinds)
+    assert {id(p) for p in d.parameters()} == {id(p) for p in model.parameters()}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith(("c_attn", "c_fc")))
+    assert all(p.requires_grad for p in model.parameters())
+
+
 # ---------------------------------------------------------------------------------------------
 # text out: UTF-8-safe streaming and stop strings
 

@@ -329,6 +329,11 @@ def cmd_generate(args):
     if args.quantize:
         from duolm.quant import quantize
         model = quantize(model, args.quantize)
+    elif args.num_beams == 1 and not args.plain_layout:
+        # fp32, same numbers: (in, out) copies of the matrices that one-row matmuls read faster
+        # on CPU (~1.4x tokens/s for GPT-2 124M at the cost of ~380 MB more memory)
+        from duolm.quant import quantize
+        model = quantize(model, "decode")
     eot = tok.eot_id
     stop_ids = [[eot]] if eot is not None else []
     stream = TextStream(args.stop or [])
@@ -392,6 +397,9 @@ def _add_generate(sub):
                    help="left: drop the oldest prompt tokens so prompt + new tokens fit the context window")
     p.add_argument("--quantize", choices=["int8", "bf16"], default=None,
                    help="weight-only int8/bf16 matmuls: faster CPU decoding, slightly different numbers")
+    p.add_argument("--plain-layout", action="store_true",
+                   help="fp32: skip the decode layout (extra (in, out) weight copies, ~380 MB for GPT-2 124M, "
+                        "~1.4x faster CPU sampling, same numbers) to save memory")
     p.set_defaults(func=cmd_generate)
 
 
