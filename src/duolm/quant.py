@@ -110,7 +110,22 @@ class DecodeLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class DecodeGPT2(nn.Module):
+class _GPT2ForDecoding(nn.Module):
+    """What generation needs of a GPT2 (config, wte, hidden(), head(), forward()) around `inner`, a
+    copy of the model with some linears swapped; subclasses give the output layer, head()."""
+
+    @property
+    def wte(self):
+        return self.inner.wte
+
+    def hidden(self, idx, attention_mask=None, cache=None):
+        return self.inner.hidden(idx, attention_mask, cache)
+
+    def forward(self, idx, attention_mask=None, cache=None):
+        return self.head(self.hidden(idx, attention_mask, cache))
+
+
+class DecodeGPT2(_GPT2ForDecoding):
     """A GPT2 for fp32 decoding: the matrices in `kinds` and the tied output layer get an (in, out)
     copy used for few-row inputs (DecodeLinear); every other tensor is the original's, shared.
     Logits equal the plain model's up to fp32 rounding (another summation order).
@@ -133,13 +148,6 @@ class DecodeGPT2(nn.Module):
         # (C, V): the tied output layer in (in, out) layout; wte itself stays (V, C) for lookups.
         self.register_buffer("head_t", model.wte.weight[:V].detach().t().contiguous() if head else None)
 
-    @property
-    def wte(self):
-        return self.inner.wte
-
-    def hidden(self, idx, attention_mask=None, cache=None):
-        return self.inner.hidden(idx, attention_mask, cache)
-
     def head(self, h):
         C = h.shape[-1]
         if self.head_t is None or h.numel() > self.max_rows * C:
@@ -150,14 +158,11 @@ class DecodeGPT2(nn.Module):
         torch.mm(h.reshape(-1, C), self.head_t, out=out)
         return out.view(*h.shape[:-1], V)
 
-    def forward(self, idx, attention_mask=None, cache=None):
-        return self.head(self.hidden(idx, attention_mask, cache))
-
 
 # ---------------------------------------------------------------------------------------------
 # weight-only int8 / bf16
 
-class WeightOnlyGPT2(nn.Module):
+class WeightOnlyGPT2(_GPT2ForDecoding):
     """A GPT2 whose linears and tied output layer read int8 or bf16 weights (inference only).
     Same interface as GPT2 for generation: config, wte, hidden(), head(), forward()."""
 
@@ -186,20 +191,10 @@ class WeightOnlyGPT2(nn.Module):
         else:
             self.register_buffer("head_bf16", w.detach().to(torch.bfloat16).clone())
 
-    @property
-    def wte(self):
-        return self.inner.wte
-
-    def hidden(self, idx, attention_mask=None, cache=None):
-        return self.inner.hidden(idx, attention_mask, cache)
-
     def head(self, h):
         if self.mode == "int8":
             return _int8_matmul(h, self.head_int8, self.head_scale)
         return F.linear(h.to(torch.bfloat16), self.head_bf16).float()
-
-    def forward(self, idx, attention_mask=None, cache=None):
-        return self.head(self.hidden(idx, attention_mask, cache))
 
 
 def quantize(model: nn.Module, mode: str = "int8") -> nn.Module:
