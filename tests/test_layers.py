@@ -10,6 +10,7 @@ FORBIDDEN = {
     "duolm.models": ["duolm.tokenizers", "duolm.checkpoint", "duolm.data", "duolm.train", "duolm.cli"],
     "duolm.convert": ["duolm.tokenizers", "duolm.checkpoint", "duolm.train", "duolm.cli"],
     "duolm.generation": ["duolm.tokenizers", "duolm.checkpoint", "duolm.data", "duolm.train", "duolm.cli"],
+    "duolm.quant": ["duolm.tokenizers", "duolm.checkpoint", "duolm.data", "duolm.train", "duolm.cli"],
     "duolm.data": ["duolm.models", "duolm.checkpoint", "duolm.generation", "duolm.train", "duolm.cli"],
     "duolm.checkpoint": ["duolm.data", "duolm.generation", "duolm.train", "duolm.cli"],
     "duolm.train": ["duolm.cli"],
