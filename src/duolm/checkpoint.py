@@ -101,23 +101,16 @@ def load(path, device="cpu"):
 def latest_checkpoint(run_dir) -> Path:
     """The newest complete checkpoint folder of a training run, as named by RUN/checkpoint.json.
 
-    checkpoint.json is {"latest": "ckpt-00000100", "step": 100, "checkpoints": [...]} (entries are
-    folder names, or objects with a "name"/"path"). It is written last, so what it names is complete;
-    should a named folder be gone or lack its files, the next newest listed one is taken.
+    checkpoint.json is {"latest": "ckpt-00000100", "step": 100, "checkpoints": [folder names, oldest
+    first]}. It is written last, so what it names is complete; should a named folder be gone or lack
+    its files, the next newest listed one is taken.
     """
     run_dir = Path(run_dir)
     manifest = _read_json(run_dir / MANIFEST)
-    names = []
-    if manifest.get("latest"):
-        names.append(manifest["latest"])
     listed = manifest.get("checkpoints", [])
-    if not isinstance(listed, list):
-        raise ValueError(f"{run_dir / MANIFEST}: \"checkpoints\" must be a list, got {type(listed).__name__}")
-    for entry in reversed(listed):
-        if isinstance(entry, dict):
-            entry = entry.get("name") or entry.get("path") or entry.get("dir")
-        if isinstance(entry, str):
-            names.append(entry)
+    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+        raise ValueError(f"{run_dir / MANIFEST}: \"checkpoints\" must be a list of folder names, got {listed!r}")
+    names = ([manifest["latest"]] if manifest.get("latest") else []) + listed[::-1]
     for name in names:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise ValueError(f"{run_dir / MANIFEST}: checkpoint name {name!r} points outside the run directory")
