@@ -48,9 +48,18 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
 
 
+def _pretrain(family, data, run, steps, batch_size, lr, extra):
+    """`duolm pretrain` of a 4-layer, 128-wide model on 128-token sequences: 4 evaluations, 2 checkpoints."""
+    from duolm.cli import main as duolm_main
+
+    duolm_main(["pretrain", family, "--data", str(data), "-o", str(run), "--n-layer", "4", "--n-head", "4",
+                "--n-embd", "128", "--block-size", "128", "--batch-size", str(batch_size), "--max-steps", str(steps),
+                "--lr", str(lr), "--warmup-steps", "30", "--eval-every", str(max(steps // 4, 1)),
+                "--eval-batches", "8", "--checkpoint-every", str(max(steps // 2, 1)), *extra])
+
+
 def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 500):
     from duolm.checkpoint import load
-    from duolm.cli import main as duolm_main
     from duolm.data import prepare
     from duolm.generation import fill_mask, generate
     from duolm.tokenizers import ByteLevelBPE, WordPiece
@@ -77,11 +86,7 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     print(f"== byte-level BPE: {bpe.vocab_size} tokens in {time.time() - t:.0f}s")
     prepare([out / "corpus.txt"], bpe, out / "data-gpt2", workers=2, val_fraction=0.02)
     gpt2_run = out / "gpt2"
-    duolm_main(["pretrain", "gpt2", "--data", str(out / "data-gpt2"), "-o", str(gpt2_run), "--n-layer", "4",
-                "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "16",
-                "--max-steps", str(gpt2_steps), "--lr", "2e-3", "--warmup-steps", "30", "--eval-every",
-                str(max(gpt2_steps // 4, 1)), "--eval-batches", "8", "--checkpoint-every", str(max(gpt2_steps // 2, 1)),
-                "--dropout", "0.0"])
+    _pretrain("gpt2", out / "data-gpt2", gpt2_run, gpt2_steps, batch_size=16, lr=2e-3, extra=["--dropout", "0.0"])
     val = [r["val_loss"] for r in read_jsonl(gpt2_run / "metrics.jsonl") if "val_loss" in r]
     print(f"== GPT-2 validation loss {val[0]:.3f} -> {val[-1]:.3f} (perplexity {math.exp(val[0]):.0f} -> "
           f"{math.exp(val[-1]):.1f})")
@@ -104,11 +109,7 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     print(f"== WordPiece: {wp.vocab_size} pieces in {time.time() - t:.0f}s; {len(sent_docs):,} documents of sentences")
     prepare([out / "corpus-bert.txt"], wp, out / "data-bert", workers=2, val_fraction=0.02)
     bert_run = out / "bert"
-    duolm_main(["pretrain", "bert", "--data", str(out / "data-bert"), "-o", str(bert_run), "--n-layer", "4",
-                "--n-head", "4", "--n-embd", "128", "--block-size", "128", "--batch-size", "32",
-                "--max-steps", str(bert_steps), "--lr", "1e-3", "--warmup-steps", "30", "--eval-every",
-                str(max(bert_steps // 4, 1)), "--eval-batches", "8", "--checkpoint-every",
-                str(max(bert_steps // 2, 1)), "--masking", "dynamic"])
+    _pretrain("bert", out / "data-bert", bert_run, bert_steps, batch_size=32, lr=1e-3, extra=["--masking", "dynamic"])
     bert, wtok = load(bert_run)
     for sentence in ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
                      "Raise a [MASK] if the value is not valid."):

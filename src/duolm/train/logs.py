@@ -128,35 +128,32 @@ class TensorBoardWriter:
         self.f.close()
 
 
+def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
+    """The varint at buf[i:]: (value, index after it)."""
+    v, shift = 0, 0
+    while True:
+        b = buf[i]
+        i += 1
+        v |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return v, i
+
+
 def _parse(buf: bytes) -> dict[int, list]:
     """Minimal protobuf decoder: field number -> list of raw values (int, bytes, or 4/8-byte bytes)."""
     out, i = {}, 0
     while i < len(buf):
-        key, shift = 0, 0
-        while True:
-            b = buf[i]; i += 1
-            key |= (b & 0x7F) << shift; shift += 7
-            if not b & 0x80:
-                break
+        key, i = _read_varint(buf, i)
         num, wire = key >> 3, key & 7
         if wire == 0:
-            v, shift = 0, 0
-            while True:
-                b = buf[i]; i += 1
-                v |= (b & 0x7F) << shift; shift += 7
-                if not b & 0x80:
-                    break
+            v, i = _read_varint(buf, i)
         elif wire == 1:
             v, i = buf[i:i + 8], i + 8
         elif wire == 5:
             v, i = buf[i:i + 4], i + 4
         elif wire == 2:
-            n, shift = 0, 0
-            while True:
-                b = buf[i]; i += 1
-                n |= (b & 0x7F) << shift; shift += 7
-                if not b & 0x80:
-                    break
+            n, i = _read_varint(buf, i)
             v, i = buf[i:i + n], i + n
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
