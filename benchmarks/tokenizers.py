@@ -68,6 +68,18 @@ def bench_bpe(text, rounds):
     ]:
         report(f"BPE encode, GPT-2 vocab, {mode}", mb, best_of_alternating(sides, rounds), ours_name)
 
+    # long pieces without whitespace: the heap merge keeps them linear (doubling ~doubles the time)
+    import random
+    import string
+
+    print("\nBPE encode, long pieces without whitespace (best seconds; ours / tiktoken time)")
+    letters = "".join(random.Random(0).choices(string.ascii_letters, k=200_000))
+    for name, piece in [("'a' * 1e6", "a" * 1_000_000), ("'a' * 2e6", "a" * 2_000_000),
+                        ("1e5 random letters", letters[:100_000]), ("2e5 random letters", letters)]:
+        t = best_of_alternating({"ours": lambda: ours.encode_ordinary(piece),
+                                 "tiktoken": lambda: tik.encode_ordinary(piece)}, 2)
+        print(f"  {name:20s} duolm {t['ours']:6.2f} s   tiktoken {t['tiktoken']:6.2f} s   {t['ours'] / t['tiktoken']:.1f}x")
+
 
 def bench_wordpiece(text, rounds):
     from transformers import BertTokenizerFast
