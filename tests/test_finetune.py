@@ -339,3 +339,61 @@ def test_padding_never_changes_a_result(family, minilm, tiny_gpt2_dir, data_dir)
             together[index] = logits(batch)
     assert len(set(feats.lengths().tolist())) > 3
     torch.testing.assert_close(together, alone, atol=2e-5, rtol=0)
+
+
+# --- checkpoints: native and transformers formats -----------------------------------------------------
+
+from duolm.models import Bert, BertConfig  # noqa: E402
+from duolm.models.heads import BertForSequence, BertForSpans, BertForTokens, GPT2ForSequence  # noqa: E402
+
+
+def _hf_logits(hf, idx, kind, family):
+    with torch.no_grad():
+        if family == "gpt2":
+            return hf(input_ids=idx).logits
+        out = hf(input_ids=idx, attention_mask=(idx != 0).long())
+        return torch.stack([out.start_logits, out.end_logits], -1) if kind == "span" else out.logits
+
+
+def _our_logits(model, idx, family):
+    with torch.no_grad():
+        if family == "gpt2":
+            return model(idx, torch.full((idx.shape[0],), idx.shape[1] - 1))[0]
+        out = model(idx, attention_mask=(idx != 0).long())
+        return torch.stack(out, -1) if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("family,kind,cls", [
+    ("bert", "classify", "BertForSequenceClassification"), ("bert", "regress", "BertForSequenceClassification"),
+    ("bert", "tag", "BertForTokenClassification"), ("bert", "span", "BertForQuestionAnswering"),
+    ("gpt2", "classify", "GPT2ForSequenceClassification")])
+def test_head_models_round_trip_through_transformers(family, kind, cls, minilm, tiny_gpt2_dir, tmp_path):
+    labels = {"classify": ["neg", "pos", "mixed"], "tag": ["O", "B-PER", "I-PER"]}.get(kind, [])
+    head = HeadConfig(kind, labels, task="mine")
+    if family == "gpt2":
+        base, tok = load(tiny_gpt2_dir)
+    elif kind == "classify":
+        base, tok = minilm                                     # the real checkpoint, with its pooler
+    else:
+        torch.manual_seed(1)
+        base, tok = Bert(BertConfig.preset("tiny", vocab_size=minilm[1].vocab_size)), minilm[1]
+    torch.manual_seed(0)
+    model = attach_head(base, head).eval()
+    idx = torch.randint(5, 300, (3, 12))
+    idx[1, 8:] = 0 if family == "bert" else idx[1, 8:]
+    ours = _our_logits(model, idx, family)
+
+    out = save(model, tmp_path / "hf", tokenizer=tok, format="hf")
+    hf = getattr(transformers, cls).from_pretrained(out).eval()
+    if kind in ("classify", "tag"):
+        assert hf.config.id2label == dict(enumerate(labels)) and hf.config.label2id == {n: i for i, n in enumerate(labels)}
+    if kind == "regress":
+        assert hf.config.problem_type == "regression" and hf.config.num_labels == 1
+    torch.testing.assert_close(_hf_logits(hf, idx, kind, family), ours, atol=1e-5, rtol=0)
+
+    for d in (out, save(model, tmp_path / "native", tokenizer=tok)):   # both formats load back as the head model
+        again, _ = load(d)
+        assert type(again) is type(model) and again.head.kind == kind and again.head.labels == labels
+        torch.testing.assert_close(_our_logits(again, idx, family), ours, atol=1e-6, rtol=0)
+    assert load(tmp_path / "native")[0].head == head                  # native keeps the whole head config
+    assert isinstance(model, (BertForSequence, BertForTokens, BertForSpans, GPT2ForSequence))
