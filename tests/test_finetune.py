@@ -14,7 +14,7 @@ import torch
 from duolm.checkpoint import load, save
 from duolm.data.features import TaskBatches, encode_examples
 from duolm.data.tasks import load_glue
-from duolm.models import GPT2, GPT2Config
+from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.tokenizers import ByteLevelBPE
 from duolm.train import TrainConfig, lr_at, train
@@ -110,6 +110,14 @@ def tiny_gpt2_dir(data_dir, tmp_path_factory):
     torch.manual_seed(0)
     model = GPT2(GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=32))
     return save(model, tmp_path_factory.mktemp("gpt") / "tiny", tokenizer=tok, format="hf")
+
+
+@pytest.fixture(scope="module")
+def tiny_bert_dir(minilm, tmp_path_factory):
+    """A tiny random BERT with MiniLM's (bert-base-uncased) vocabulary."""
+    torch.manual_seed(0)
+    model = Bert(BertConfig.preset("tiny", vocab_size=minilm[1].vocab_size, block_size=128))
+    return save(model, tmp_path_factory.mktemp("bert") / "tiny", tokenizer=minilm[1])
 
 
 def test_gpt_head_with_lm_loss_trains_as_transformers(tiny_gpt2_dir, data_dir, one_thread):
@@ -319,8 +327,8 @@ def test_length_grouping_spends_compute_on_tokens():
 
 
 @pytest.mark.parametrize("family", ["bert", "gpt2"])
-def test_padding_never_changes_a_result(family, minilm, tiny_gpt2_dir, data_dir):
-    model, tok = minilm if family == "bert" else load(tiny_gpt2_dir)
+def test_padding_never_changes_a_result(family, tiny_bert_dir, tiny_gpt2_dir, data_dir):
+    model, tok = load(tiny_bert_dir if family == "bert" else tiny_gpt2_dir)
     _, rows = glue_rows(data_dir, "mrpc", 12)
     rows = [Example(e.text_a[:10 + 9 * i], e.text_b[:40 - 3 * i], e.label) for i, e in enumerate(rows)]
     torch.manual_seed(0)
@@ -343,7 +351,6 @@ def test_padding_never_changes_a_result(family, minilm, tiny_gpt2_dir, data_dir)
 
 # --- checkpoints: native and transformers formats -----------------------------------------------------
 
-from duolm.models import Bert, BertConfig  # noqa: E402
 from duolm.models.heads import BertForSequence, BertForSpans, BertForTokens, GPT2ForSequence  # noqa: E402
 
 
@@ -367,16 +374,10 @@ def _our_logits(model, idx, family):
     ("bert", "classify", "BertForSequenceClassification"), ("bert", "regress", "BertForSequenceClassification"),
     ("bert", "tag", "BertForTokenClassification"), ("bert", "span", "BertForQuestionAnswering"),
     ("gpt2", "classify", "GPT2ForSequenceClassification")])
-def test_head_models_round_trip_through_transformers(family, kind, cls, minilm, tiny_gpt2_dir, tmp_path):
+def test_head_models_round_trip_through_transformers(family, kind, cls, tiny_bert_dir, tiny_gpt2_dir, tmp_path):
     labels = {"classify": ["neg", "pos", "mixed"], "tag": ["O", "B-PER", "I-PER"]}.get(kind, [])
     head = HeadConfig(kind, labels, task="mine")
-    if family == "gpt2":
-        base, tok = load(tiny_gpt2_dir)
-    elif kind == "classify":
-        base, tok = minilm                                     # the real checkpoint, with its pooler
-    else:
-        torch.manual_seed(1)
-        base, tok = Bert(BertConfig.preset("tiny", vocab_size=minilm[1].vocab_size)), minilm[1]
+    base, tok = load(tiny_gpt2_dir if family == "gpt2" else tiny_bert_dir)
     torch.manual_seed(0)
     model = attach_head(base, head).eval()
     idx = torch.randint(5, 300, (3, 12))
@@ -397,3 +398,134 @@ def test_head_models_round_trip_through_transformers(family, kind, cls, minilm, 
         torch.testing.assert_close(_our_logits(again, idx, family), ours, atol=1e-6, rtol=0)
     assert load(tmp_path / "native")[0].head == head                  # native keeps the whole head config
     assert isinstance(model, (BertForSequence, BertForTokens, BertForSpans, GPT2ForSequence))
+
+
+# --- finetune() / predict() / evaluate_task() ----------------------------------------------------------
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+
+from duolm.data.tasks import load_task  # noqa: E402
+from duolm.train.finetune import (FinetuneConfig, evaluate_task, finetune, load_finetuned, predict,  # noqa: E402
+                                  summarize, write_glue_predictions)
+
+
+@pytest.fixture(scope="module")
+def sst2_csv(data_dir, tmp_path_factory):
+    """A user task made of real SST-2 rows: 96 to train on, 40 to validate on, words as labels."""
+    _, rows = glue_rows(data_dir, "sst2", 136)
+    d = tmp_path_factory.mktemp("sst2csv")
+    for name, part in (("train.csv", rows[:96]), ("dev.csv", rows[96:])):
+        lines = ["review,sentiment"] + ['"' + e.text_a.replace('"', '""') + '",' + ("pos" if e.label == "1" else "neg")
+                                        for e in part]
+        _write(d / name, "\n".join(lines) + "\n")
+    return d
+
+
+def test_finetune_seeds_results_and_best_model(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=32, seeds=2, dropout=0.0)
+    started, rows = [], []
+    res = finetune(tiny_bert_dir, "classify", tmp_path / "run", cfg, train_file=sst2_csv / "train.csv",
+                   dev_file=sst2_csv / "dev.csv", text_column="review", label_column="sentiment",
+                   on_start=started.append, on_log=rows.append)
+    info = started[0]
+    assert info["labels"] == ["neg", "pos"] and info["train"] == 96 and info["dev"] == {"dev": 40}
+    assert info["config"]["lr"] == 1e-3 and info["config"]["warmup"] == 0.1     # BERT's recipe filled in
+    assert info["truncated"]["train"] > 0                                   # max_length 32 cut some reviews
+    assert [r["run"] for r in res["runs"]] == ["seed-0", "seed-1"] and res["metric"] == "accuracy"
+    acc = [r["metrics"]["accuracy"] for r in res["runs"]]
+    assert res["mean"]["accuracy"] == pytest.approx(statistics.fmean(acc))
+    assert res["std"]["accuracy"] == pytest.approx(statistics.stdev(acc))
+    assert res["best"]["metrics"]["accuracy"] == max(acc)
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["mean"] == res["mean"]
+    table = (tmp_path / "run" / "results.md").read_text()
+    assert "| seed-1 |" in table and f"{100 * res['mean']['accuracy']:.2f} ± " in table
+    evals = [r for r in rows if "val_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 6, 12] * 2                      # before training, after each epoch
+
+    model, tok = load_finetuned(tmp_path / "run")                            # run/best: the best seed's best epoch
+    assert model.head.labels == ["neg", "pos"] and model.head.task == "classify"
+    dev = load_task("classify", dev=sst2_csv / "dev.csv", text="review", label="sentiment", splits=("dev",),
+                    kind="classify", labels=["neg", "pos"])
+    assert evaluate_task(model, tok, dev) == pytest.approx(res["best"]["metrics"], abs=1e-6)
+    out = predict(model, tok, ["a gripping , well-acted film", "dull and lifeless " * 30])
+    assert {o["label"] for o in out} <= {"neg", "pos"} and "truncated" not in out[0] and out[1]["truncated"]
+    assert sum(out[0]["probabilities"].values()) == pytest.approx(1.0)
+
+
+def test_finetune_resumes_exactly(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=24)
+    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
+              label_column="sentiment")
+    whole = finetune(tiny_bert_dir, "classify", tmp_path / "a", cfg, **kw)
+
+    def killed(row):
+        if row["step"] == 8:
+            raise KeyboardInterrupt                                          # after the epoch-1 checkpoint (6)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, on_log=killed, **kw)
+    resumed = finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, resume=True, **kw)
+    assert resumed["runs"][0]["metrics"] == whole["runs"][0]["metrics"]
+    a, b = (load(tmp_path / d)[0].state_dict() for d in ("a", "b"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_gpt_finetune_with_lm_loss_and_both_orders(tiny_gpt2_dir, data_dir, tmp_path, one_thread):
+    data, _ = glue_rows(data_dir, "stsb", 0)
+    d = tmp_path / "STS-B"
+    head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+    lines = (data_dir / "glue" / "STS-B" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:81]
+    _write(d / "train.tsv", head + "\n".join(lines) + "\n")
+    cfg = FinetuneConfig(batch_size=8, epochs=1, max_length=40, both_orders=True, dev_fraction=0.2)
+    rows = []
+    res = finetune(tiny_gpt2_dir, "stsb", tmp_path / "run", cfg, data=d, on_log=rows.append)
+    assert res["config"]["lr"] == 6.25e-5 and res["config"]["lm_coef"] == 0.5     # GPT-1's recipe
+    assert res["metric"] == "spearman" and set(res["mean"]) == {"spearman", "pearson", "loss"}
+    assert "last 16 examples of train.tsv" in res["notes"][0]
+    trained = [r for r in rows if "lm_loss" in r]
+    assert len(trained) == 8 and all(r["loss"] == pytest.approx(r["task_loss"] + 0.5 * r["lm_loss"], rel=1e-5)
+                                     for r in trained)
+    model, tok = load_finetuned(tmp_path / "run")
+    assert model.head.both_orders and model.head.kind == "regress"
+    out = predict(model, tok, [("A man plays a guitar.", "A man is playing guitar.")])
+    assert set(out[0]) == {"score"}
+
+
+def test_wrong_model_for_the_job_says_so(tiny_bert_dir, sst2_csv, tmp_path, minilm):
+    with pytest.raises(ValueError, match="without a fine-tuning head; fine-tune it first"):
+        load_finetuned(tiny_bert_dir)
+    torch.manual_seed(0)
+    clf = save(attach_head(load(tiny_bert_dir)[0], HeadConfig("classify", ["a", "b"])), tmp_path / "clf",
+               tokenizer=minilm[1])
+    with pytest.raises(ValueError, match="is already fine-tuned"):
+        finetune(clf, "classify", tmp_path / "r", train_file=sst2_csv / "train.csv")
+    with pytest.raises(ValueError, match="both_orders is GPT's way"):
+        finetune(tiny_bert_dir, "classify", tmp_path / "r", FinetuneConfig(both_orders=True),
+                 train_file=sst2_csv / "train.csv")
+    model, tok = load(clf)
+    with pytest.raises(ValueError, match=r"the model predicts classify \['a', 'b'\].*the data is classify"):
+        evaluate_task(model, tok, load_task("classify", train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv",
+                                            text="review", label="sentiment"))
+
+
+def test_glue_submission_files(tiny_bert_dir, mnli_dir, tmp_path):
+    torch.manual_seed(0)
+    model, tok = load(tiny_bert_dir)
+    labels = ["contradiction", "entailment", "neutral"]
+    clf = attach_head(model, HeadConfig("classify", labels, task="mnli"))
+    data = load_glue("mnli", mnli_dir, splits=("test",))
+    files = write_glue_predictions(clf, tok, data, tmp_path / "sub")
+    assert [f.name for f in files] == ["MNLI-m.tsv", "MNLI-mm.tsv"]
+    lines = files[0].read_text().splitlines()
+    assert lines[0] == "index\tprediction" and [x.split("\t")[0] for x in lines[1:]] == ["0", "1"]
+    assert all(x.split("\t")[1] in labels for x in lines[1:])
+
+
+def test_summarize_picks_the_rate_by_its_mean():
+    runs = [{"run": f"lr-{lr}-seed-{s}", "lr": lr, "seed": s, "metrics": {"f1": f}}
+            for lr, s, f in [(5e-5, 0, 0.9), (5e-5, 1, 0.5), (2e-5, 0, 0.8), (2e-5, 1, 0.8)]]
+    res = summarize(runs, "f1")
+    assert res["lr"] == 2e-5 and res["mean"]["f1"] == pytest.approx(0.8) and res["std"]["f1"] == 0.0
+    assert res["best"]["lr"] == 2e-5 and res["result"] == res["mean"]
+    best = summarize(runs, "f1", select="best")
+    assert best["best"]["run"] == "lr-5e-05-seed-0" and best["result"] == {"f1": 0.9}

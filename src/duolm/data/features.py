@@ -13,7 +13,7 @@ row of a batch only (dynamic padding), so compute is spent on tokens; it never c
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -30,14 +30,18 @@ GROUP = 50               # batches per length-sorted chunk (as transformers' Len
 @dataclass
 class Features:
     """Encoded examples. ids[i]: the token ids of example i (GPT both orders: a pair of id lists);
-    segment_ids: BERT only; labels: class ids or numbers (None: unlabelled); truncated: how many examples
-    were cut to max_length."""
+    segment_ids: BERT only; labels: class ids or numbers (None: unlabelled); cut: the examples that were
+    truncated to max_length."""
     family: str
     ids: list
     segment_ids: list | None
     labels: list | None
     pad_id: int
-    truncated: int = 0
+    cut: list = field(default_factory=list)
+
+    @property
+    def truncated(self) -> int:
+        return len(self.cut)
 
     def __len__(self):
         return len(self.ids)
@@ -68,10 +72,10 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_length: int, lab
     """Token ids of each example (see the module doc), cut to `max_length`; labels -> ids (classify: the
     position of the label name in `labels`; regress: the number; unlabelled examples: no labels)."""
     if isinstance(tokenizer, WordPiece):
-        ids, segs, truncated = _encode_bert(examples, tokenizer, max_length)
+        ids, segs, cut = _encode_bert(examples, tokenizer, max_length)
         family, pad = "bert", tokenizer.pad_id
     elif isinstance(tokenizer, ByteLevelBPE):
-        ids, truncated = _encode_gpt(examples, tokenizer, max_length, both_orders)
+        ids, cut = _encode_gpt(examples, tokenizer, max_length, both_orders)
         family, segs, pad = "gpt2", None, tokenizer.eot_id
     else:
         raise ValueError(f"cannot encode with a {type(tokenizer).__name__}; expected WordPiece or ByteLevelBPE")
@@ -82,37 +86,38 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_length: int, lab
         else:
             index = {name: i for i, name in enumerate(labels)}
             y = [index[e.label] for e in examples]
-    return Features(family, ids, segs, y, pad, truncated)
+    return Features(family, ids, segs, y, pad, cut)
 
 
 def _encode_bert(examples, tok: WordPiece, max_length: int):
-    ids, segs, truncated = [], [], 0
-    for e in examples:
+    ids, segs, cut = [], [], []
+    for i, e in enumerate(examples):
         enc = tok.encode(e.text_a, e.text_b)
         if len(enc.ids) > max_length:
             enc = tok.encode(e.text_a, e.text_b, max_length=max_length)
-            truncated += 1
+            cut.append(i)
         ids.append(enc.ids)
         segs.append(enc.segment_ids)
-    return ids, segs, truncated
+    return ids, segs, cut
 
 
 def _encode_gpt(examples, tok: ByteLevelBPE, max_length: int, both_orders: bool):
     if tok.eot_id is None:
         raise ValueError("the GPT tokenizer has no <|endoftext|> token to delimit sentence pairs")
-    eot, out, truncated = tok.eot_id, [], 0
-    for e in examples:
+    eot, out, cut = tok.eot_id, [], []
+    for i, e in enumerate(examples):
         a = tok.encode_ordinary(e.text_a)
         b = tok.encode_ordinary(e.text_b) if e.text_b is not None else None
         n_a, n_b = truncate_pair(len(a), len(b or ()), max_length - (b is not None))
-        truncated += (n_a, n_b) != (len(a), len(b or ()))
+        if (n_a, n_b) != (len(a), len(b or ())):
+            cut.append(i)
         if b is None:
             out.append(a[:n_a] or [eot])              # an empty text is the end-of-text token alone
         elif both_orders:
             out.append((a[:n_a] + [eot] + b[:n_b], b[:n_b] + [eot] + a[:n_a]))
         else:
             out.append(a[:n_a] + [eot] + b[:n_b])
-    return out, truncated
+    return out, cut
 
 
 # --- padded batches --------------------------------------------------------------------------------

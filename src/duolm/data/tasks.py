@@ -332,3 +332,21 @@ def write_submission(path, examples: list[Example], predictions: list) -> Path:
     lines = ["index\tprediction"] + [f"{e.index}\t{p:.3f}" if isinstance(p, float) else f"{e.index}\t{p}"
                                      for e, p in zip(examples, predictions, strict=True)]
     return write_text(path, "\n".join(lines) + "\n")
+
+
+def load_task(task: str, data=None, train=None, dev=None, *, text: str = "text", pair: str | None = None,
+              label: str = "label", splits=("train", "dev"), dev_fraction: float = 0.0, kind: str | None = None,
+              labels=None) -> TaskData:
+    """A GLUE task from its folder (`data`), or "classify" / "regress" from the user's `train` / `dev` files
+    with the named columns. kind + labels: the label space of an already fine-tuned model (no train file)."""
+    if task.lower() in USER_TASKS:
+        if data is not None:
+            raise ValueError(f"task {task!r} reads --train / --dev files with named columns, not a GLUE folder")
+        if train is None and dev is None:
+            raise ValueError(f"task {task!r} needs a --train file (and a --dev file or a dev fraction)")
+        return load_user(train if "train" in splits else None, dev, text, pair, label, regress=task.lower() == "regress",
+                         dev_fraction=dev_fraction, kind=kind, labels=labels)
+    glue_task(task)
+    if data is None:
+        raise ValueError(f"GLUE task {task!r} needs its data folder (--data glue/{glue_task(task).folder})")
+    return load_glue(task, data, splits, dev_fraction)
