@@ -529,3 +529,48 @@ def test_summarize_picks_the_rate_by_its_mean():
     assert res["best"]["lr"] == 2e-5 and res["result"] == res["mean"]
     best = summarize(runs, "f1", select="best")
     assert best["best"]["run"] == "lr-5e-05-seed-0" and best["result"] == {"f1": 0.9}
+
+
+# --- the commands ---------------------------------------------------------------------------------------
+
+def test_cli_finetune_predict_evaluate(tiny_bert_dir, sst2_csv, tmp_path, capsys, one_thread):
+    from duolm.cli import main
+
+    run = tmp_path / "run"
+    main(["finetune", str(tiny_bert_dir), "--task", "classify", "--train", str(sst2_csv / "train.csv"),
+          "--dev", str(sst2_csv / "dev.csv"), "--text-column", "review", "--label-column", "sentiment",
+          "-o", str(run), "--lr", "1e-3", "--batch-size", "16", "--epochs", "1", "--max-length", "24", "--quiet"])
+    out = capsys.readouterr().out
+    assert "classify (classify, labels neg pos), 96 train, 40 dev; 1 run(s) of 6 steps" in out
+    assert "train input(s) longer than 24 tokens were cut" in out and "| mean ± std (1 seed) |" in out
+    results = json.loads((run / "results.json").read_text())
+
+    main(["evaluate", str(run), "--dev", str(sst2_csv / "dev.csv"), "--text-column", "review",
+          "--label-column", "sentiment", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["accuracy"] == pytest.approx(results["best"]["metrics"]["accuracy"])
+
+    pairs = _write(tmp_path / "in.txt", "a gripping , well-acted film\nflat\tand dull\n")
+    main(["predict", str(run), "--file", str(pairs), "-o", str(tmp_path / "pred.tsv")])
+    lines = (tmp_path / "pred.tsv").read_text().splitlines()
+    assert [line.split("\t")[:-2] for line in lines] == [["a gripping , well-acted film"], ["flat", "and dull"]]
+    assert all(line.split("\t")[-2] in ("neg", "pos") for line in lines)
+    capsys.readouterr()
+    main(["predict", str(run), "fine", "--json"])
+    (pred,) = json.loads(capsys.readouterr().out)
+    assert pred["input"] == "fine" and set(pred["probabilities"]) == {"neg", "pos"}
+
+
+def test_cli_errors_are_one_line(tiny_bert_dir, sst2_csv, tmp_path, capsys):
+    from duolm.cli import main
+
+    cases = [(["finetune", str(tiny_bert_dir), "--task", "sst9", "--data", str(tmp_path), "-o", str(tmp_path / "r")],
+              "unknown task 'sst9'"),
+             (["finetune", str(tiny_bert_dir), "--task", "classify", "--train", str(sst2_csv / "train.csv"),
+               "-o", str(tmp_path / "r")], "no text column 'text'; the columns are: review, sentiment"),
+             (["predict", str(tiny_bert_dir), "hello"], "without a fine-tuning head")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith("duolm: error: ") and message in err and err.count("\n") == 1

@@ -70,7 +70,8 @@ def load(path, device="cpu"):
         pytorch_model.bin (read with torch.load(weights_only=True); never unsafely); a fine-tuned
         BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering or
         GPT2ForSequenceClassification -> the head model of duolm.models.heads, labels from id2label;
-      * a training run directory holding checkpoint.json -> its newest complete checkpoint.
+      * a training run directory holding checkpoint.json -> its best/ model when it keeps one (fine-tuning
+        selects on dev), else its newest complete checkpoint; a folder of fine-tuning runs -> its best/.
     A BertForMaskedLM directory has no pooler and no NSP head: those are initialised fresh (from a
     fixed seed, without touching the global RNG), so MLM logits and hidden states match the
     checkpoint while pooled / NSP outputs mean nothing until trained.
@@ -85,7 +86,9 @@ def load(path, device="cpu"):
         raise FileNotFoundError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ValueError(f"{path}: is a file; duolm.load expects a model directory (config.json + weights)")
-    if not (path / CONFIG).is_file() and runs.is_run(path):
+    if not (path / CONFIG).is_file() and (path / "best" / CONFIG).is_file():
+        path = path / "best"
+    elif not (path / CONFIG).is_file() and runs.is_run(path):
         path = runs.latest_checkpoint(path)
     cfg = read_json(path / CONFIG, f"{CONFIG} (a model directory holds {CONFIG} and its weights)")
     if cfg.get("format") == FORMAT:

@@ -144,10 +144,7 @@ def load_pretrained(path, device="cpu"):
 
 
 def load_finetuned(path, device="cpu"):
-    """-> (head model, tokenizer) of a fine-tuned model directory or run (a run's best/ model when it has one)."""
-    path = Path(path)
-    if (path / "best" / "config.json").is_file():
-        path = path / "best"
+    """-> (head model, tokenizer) of a fine-tuned model directory or run (a run's best/ model)."""
     model, tok = load(path, device)
     if not isinstance(model, HEAD_MODELS):
         raise ValueError(f"{path} holds a {type(model).__name__} without a fine-tuning head; fine-tune it first "
@@ -254,8 +251,7 @@ def _one_run(base, tok, family, head, train_feats, dev_feats, data, cfg, lr, see
     torch.manual_seed(seed)                                  # the new layer's initial weights
     model = attach_head(base, head, cfg.dropout).to(device)
     batches = TaskBatches(train_feats, seed)
-    per_epoch = batches.steps_per_epoch(cfg.batch_size)
-    max_steps = max(1, round(cfg.epochs * per_epoch))
+    per_epoch, max_steps = _steps(train_feats, cfg)
     main = "val_" + data.metrics[0]
     tc = TrainConfig(max_steps=max_steps, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, lr=lr,
                      warmup_steps=round(cfg.warmup * max_steps), decay="linear", weight_decay=cfg.weight_decay,
@@ -270,6 +266,12 @@ def _one_run(base, tok, family, head, train_feats, dev_feats, data, cfg, lr, see
     return {"run": Path(run_dir).name, "lr": lr, "seed": seed, "step": best["step"],
             "epoch": round(best["step"] / per_epoch, 2),
             "metrics": {k[4:]: v for k, v in best.items() if k.startswith("val_")}}
+
+
+def _steps(train_feats: Features, cfg: FinetuneConfig) -> tuple[int, int]:
+    """(steps per epoch, steps in all) of a run."""
+    per_epoch = TaskBatches(train_feats).steps_per_epoch(cfg.batch_size)
+    return per_epoch, max(1, round(cfg.epochs * per_epoch))
 
 
 def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *, data=None, train_file=None,
@@ -299,8 +301,8 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
                       cfg.both_orders)
     train_feats = encode(data_.train, tok, head)
     dev_feats = {p: encode(e, tok, head) for p, e in data_.dev.items()}
-    TaskBatches(train_feats).steps_per_epoch(cfg.batch_size)           # enough data for one batch?
-    info = {"model": str(model), "family": family, "device": str(dev), "task": data_.name, "kind": data_.kind,
+    lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
+    info = {"runs": len(lrs) * cfg.seeds, "steps": _steps(train_feats, cfg)[1], "model": str(model), "family": family, "device": str(dev), "task": data_.name, "kind": data_.kind,
             "labels": data_.labels, "metric": data_.metrics[0], "train": len(train_feats),
             "dev": {p or "dev": len(f) for p, f in dev_feats.items()}, "notes": data_.notes,
             "truncated": {"train": train_feats.truncated, **{(p or "dev"): f.truncated for p, f in dev_feats.items()}},
@@ -308,7 +310,6 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
     if on_start is not None:
         on_start(info)
     run_dir = Path(run_dir)
-    lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
     single = len(lrs) == 1 and cfg.seeds == 1
     runs_ = []
     for lr in lrs:
