@@ -574,3 +574,22 @@ def test_cli_errors_are_one_line(tiny_bert_dir, sst2_csv, tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("duolm: error: ") and message in err and err.count("\n") == 1
+
+
+def test_glue_suite_and_the_papers_table(tiny_bert_dir, data_dir, tmp_path, one_thread):
+    from duolm.train.finetune import finetune_glue, glue_table
+
+    lines = (data_dir / "glue" / "RTE" / "train.tsv").read_text(encoding="utf-8").splitlines()[:41]
+    _write(tmp_path / "GLUE" / "RTE" / "train.tsv", "\n".join(lines) + "\n")
+    cfg = FinetuneConfig(batch_size=8, epochs=1, max_length=32, dev_fraction=0.2)
+    res = finetune_glue(tiny_bert_dir, tmp_path / "GLUE", tmp_path / "runs", cfg)
+    assert list(res) == ["rte"] and (tmp_path / "runs" / "rte" / "results.json").is_file()
+    table = (tmp_path / "runs" / "glue.md").read_text().splitlines()
+    assert table[0] == "| | RTE | Average |" and table[3] == "| BERT-base (paper, test) | 66.4 | 66.4 |"
+    assert table[2] == f"| duolm (dev) | {100 * res['rte']['result']['accuracy']:.1f} | " \
+                       f"{100 * res['rte']['result']['accuracy']:.1f} |"
+    two = glue_table({"mrpc": {"metric": "f1", "result": {"f1": 0.88}},
+                      "mnli": {"metric": "accuracy", "result": {"accuracy": 0.80, "mm_accuracy": 0.81}}})
+    assert two.splitlines()[0] == "| | MNLI | MNLI-MM | MRPC | Average |"
+    assert two.splitlines()[2] == "| duolm (dev) | 80.0 | 81.0 | 88.0 | 83.0 |"        # (80 + 81 + 88) / 3
+    assert two.splitlines()[3] == "| BERT-base (paper, test) | 84.6 | 83.4 | 88.9 | 85.6 |"

@@ -305,12 +305,14 @@ def _finetune_banner(info, out) -> list[str]:
 def cmd_finetune(args):
     from tqdm import tqdm
 
-    from duolm.train.finetune import FinetuneConfig, finetune
+    from duolm.train.finetune import FinetuneConfig, finetune, finetune_glue
 
     bar, shown = None, {}
 
     def on_start(info):
         nonlocal bar
+        if bar is not None:                        # --suite: the next task
+            bar.close()
         print("\n".join([] if args.json else _finetune_banner(info, args.out)))
         bar = tqdm(total=info["runs"] * info["steps"], unit="step", dynamic_ncols=True, disable=args.quiet or args.json)
 
@@ -320,11 +322,14 @@ def cmd_finetune(args):
                       if k == "loss" or k.startswith("val_") and not k.endswith("loss")})
         bar.set_postfix(shown, refresh=False)
 
+    kw = dict(device=args.device, resume=args.resume, on_start=on_start, on_log=on_log)
     try:
+        if args.suite:
+            finetune_glue(args.model, args.data, args.out, options(FinetuneConfig, args), **kw)
+            return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
         res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), data=args.data,
                        train_file=args.train, dev_file=args.dev, text_column=args.text_column,
-                       pair_column=args.text_pair_column, label_column=args.label_column, device=args.device,
-                       resume=args.resume, on_start=on_start, on_log=on_log)
+                       pair_column=args.text_pair_column, label_column=args.label_column, **kw)
     finally:
         if bar is not None:
             bar.close()
@@ -340,8 +345,11 @@ def _add_finetune(sub):
                                    "GPT-1: 6.25e-5, 0.2% warmup, LM loss 0.5). Dev metrics after every epoch; the best "
                                    "model is kept in OUT/best.")
     p.add_argument("model", help="duolm or Hugging Face GPT-2 / BERT directory, or a pretraining run")
-    p.add_argument("--task", required=True, help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli, or classify / "
-                                                 "regress with --train / --dev")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (--data: its folder), or "
+                                     "classify / regress with --train / --dev")
+    what.add_argument("--suite", choices=["glue"], help="every GLUE task found in --data (the folder of task folders), "
+                                                        "then the BERT paper's Table 1 layout")
     p.add_argument("-o", "--out", required=True, help="run folder (several seeds: one sub-folder each)")
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoints in -o")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from duolm.checkpoint import load
 from duolm.data.features import Features, TaskBatches, eval_batches, encode_examples
-from duolm.data.tasks import Example, TaskData, load_task, write_submission
+from duolm.data.tasks import GLUE, Example, TaskData, load_task, write_submission
 from duolm.evaluation.metrics import SEQUENCE_METRICS
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
@@ -365,3 +365,37 @@ def results_table(results: dict) -> str:
     best = results["best"]
     lines += ["", f"best run: {best['run']} ({results['metric']} {pct(best['metrics'].get(results['metric'], math.nan))})"]
     return "\n".join(lines + [""] + [f"note: {n}" for n in results.get("notes", [])]) + "\n"
+
+
+# --- the BERT paper's GLUE table ---------------------------------------------------------------------
+
+# BERT-base in the paper's Table 1 (GLUE test server), in its column order: the task's main metric x 100.
+BERT_BASE_GLUE = {"mnli": 84.6, "mnli-mm": 83.4, "qqp": 71.2, "qnli": 90.1, "sst2": 93.5, "cola": 52.1,
+                  "stsb": 85.8, "mrpc": 88.9, "rte": 66.4}
+
+
+def finetune_glue(model, data_dir, run_dir, config: FinetuneConfig | None = None, **kw) -> dict:
+    """finetune() on every GLUE task whose folder (with train.tsv) is in data_dir, each into run_dir/<task>;
+    writes run_dir/glue.md (glue_table) and returns {task: results}."""
+    found = [name for name, t in GLUE.items() if (Path(data_dir) / t.folder / "train.tsv").is_file()]
+    if not found:
+        raise FileNotFoundError(f"{data_dir}: no GLUE task folder with a train.tsv ({', '.join(t.folder for t in GLUE.values())})")
+    results = {name: finetune(model, name, Path(run_dir) / name, config, data=Path(data_dir) / GLUE[name].folder, **kw)
+               for name in found}
+    write_text(Path(run_dir) / "glue.md", glue_table(results))
+    return results
+
+
+def glue_table(results: dict) -> str:
+    """Table 1's layout: a column per task (its main metric x 100, mean over the seeds), the average of the
+    columns present, and BERT-base's numbers from the paper on the same columns."""
+    ours = {}
+    for name, r in results.items():
+        ours[name] = 100 * r["result"][r["metric"]]
+        if "mm_accuracy" in r["result"]:
+            ours["mnli-mm"] = 100 * r["result"]["mm_accuracy"]
+    cols = [c for c in BERT_BASE_GLUE if c in ours]
+    head = "| | " + " | ".join(c.upper().replace("SST2", "SST-2").replace("STSB", "STS-B") for c in cols) + " | Average |"
+    row = lambda name, vals: f"| {name} | " + " | ".join(f"{v:.1f}" for v in vals) + f" | {statistics.fmean(vals):.1f} |"  # noqa: E731
+    return "\n".join([head, "|---" * (len(cols) + 2) + "|", row("duolm (dev)", [ours[c] for c in cols]),
+                      row("BERT-base (paper, test)", [BERT_BASE_GLUE[c] for c in cols])]) + "\n"
