@@ -9,6 +9,9 @@ series is nan (scipy).
 from __future__ import annotations
 
 import math
+import re
+import string
+from collections import Counter
 from typing import Sequence
 
 
@@ -118,3 +121,129 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
 
 # The GLUE metrics by name, as tasks list them (duolm.data.tasks).
 SEQUENCE_METRICS = {"accuracy": accuracy, "f1": f1, "matthews": matthews, "pearson": pearson, "spearman": spearman}
+
+
+# --- entities (CoNLL-2003): conlleval's chunk rules ------------------------------------------------------
+
+def _split_tag(tag: str) -> tuple[str, str]:
+    """"B-PER" -> ("B", "PER"); "O" -> ("O", "_") (conlleval's / seqeval's reading of a tag)."""
+    return tag[:1], (tag[1:].split("-", 1)[-1] or "_")
+
+
+def _chunk_end(prev: str, tag: str, prev_type: str, type_: str) -> bool:
+    return (prev in ("E", "S") or (prev in ("B", "I") and tag in ("B", "S", "O"))
+            or (prev not in ("O", ".") and prev_type != type_))
+
+
+def _chunk_start(prev: str, tag: str, prev_type: str, type_: str) -> bool:
+    return (tag in ("B", "S") or (prev in ("E", "S", "O") and tag in ("E", "I"))
+            or (tag not in ("O", ".") and prev_type != type_))
+
+
+def entities(tags: Sequence[str]) -> list[tuple[str, int, int]]:
+    """Entity chunks (type, first, last) of one sentence's tags, by the conlleval script's rules, which read
+    IOB1, IOB2 and IOBES alike: a chunk starts at B- (or S-), or at an I- (or E-) whose type differs from the
+    token before or that follows O / the end of a chunk; it ends before O, B-, S-, a change of type, or after
+    E- / S-. So an I- tag that IOB2 forbids (after O) is read as a chunk start, as conlleval does.
+
+    >>> entities(["B-PER", "I-PER", "O", "I-LOC", "B-LOC", "I-ORG"])     # IOB1's I-LOC after O starts a chunk
+    [('PER', 0, 1), ('LOC', 3, 3), ('LOC', 4, 4), ('ORG', 5, 5)]
+    """
+    out, prev, prev_type, begin = [], "O", "_", 0
+    for i, t in enumerate(list(tags) + ["O"]):
+        tag, type_ = _split_tag(t)
+        if _chunk_end(prev, tag, prev_type, type_):
+            out.append((prev_type, begin, i - 1))
+        if _chunk_start(prev, tag, prev_type, type_):
+            begin = i
+        prev, prev_type = tag, type_
+    return out
+
+
+def invalid_starts(tags: Sequence[str]) -> int:
+    """Chunks that start with I- or E- (forbidden in IOB2 / IOBES; normal in IOB1): the repairs conlleval makes.
+
+    >>> invalid_starts(["O", "I-PER", "I-PER", "B-LOC", "I-ORG"])
+    2
+    """
+    return sum(tags[first][:1] in ("I", "E") for _, first, _ in entities(tags))
+
+
+def _prf(correct: int, pred: int, gold: int) -> dict:
+    p = correct / pred if pred else 0.0
+    r = correct / gold if gold else 0.0
+    return {"precision": p, "recall": r, "f1": 2 * p * r / (p + r) if p + r else 0.0, "support": gold}
+
+
+def entity_scores(gold: Sequence[Sequence[str]], pred: Sequence[Sequence[str]]) -> dict:
+    """Entity precision / recall / F1 over sentences, overall and per type, as conlleval counts them: an entity
+    is found when a predicted chunk has the gold chunk's type, first and last token.
+
+    >>> s = entity_scores([["B-PER", "I-PER", "O", "B-LOC"]], [["B-PER", "I-PER", "O", "B-ORG"]])
+    >>> s["precision"], s["recall"], s["per_type"]["PER"]["f1"], s["per_type"]["LOC"]["recall"]
+    (0.5, 0.5, 1.0, 0.0)
+    """
+    if len(gold) != len(pred):
+        raise ValueError(f"{len(gold)} gold sentences but {len(pred)} predicted")
+    found, wanted, right = {}, {}, {}
+    for n, (g, p) in enumerate(zip(gold, pred)):
+        if len(g) != len(p):
+            raise ValueError(f"sentence {n}: {len(g)} gold tags but {len(p)} predicted")
+        ge, pe = set(entities(g)), set(entities(p))
+        for table, chunks in ((wanted, ge), (found, pe), (right, ge & pe)):
+            for type_, _, _ in chunks:
+                table[type_] = table.get(type_, 0) + 1
+    types = sorted(set(found) | set(wanted))
+    overall = _prf(sum(right.values()), sum(found.values()), sum(wanted.values()))
+    return {**overall, "per_type": {t: _prf(right.get(t, 0), found.get(t, 0), wanted.get(t, 0)) for t in types}}
+
+
+# --- SQuAD v1.1: the official evaluation script's answer comparison ---------------------------------------
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = set(string.punctuation)
+
+
+def normalize_answer(s: str) -> str:
+    """Lower-case, drop ASCII punctuation, drop the articles a / an / the, collapse whitespace (in that order).
+
+    >>> normalize_answer("The  Eiffel-Tower, in  Paris!")
+    'eiffeltower in paris'
+    """
+    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    return " ".join(_ARTICLES.sub(" ", s).split())
+
+
+def squad_exact(prediction: str, answers: Sequence[str]) -> float:
+    """1.0 when the normalized prediction equals a normalized gold answer.
+
+    >>> squad_exact("the Broncos", ["Denver Broncos", "Broncos"])
+    1.0
+    """
+    return float(any(normalize_answer(prediction) == normalize_answer(a) for a in answers))
+
+
+def squad_f1(prediction: str, answers: Sequence[str]) -> float:
+    """Best token F1 against the gold answers (bags of normalized words).
+
+    >>> squad_f1("Denver Broncos won", ["the Denver Broncos", "Broncos"])   # 2 of 3 words, both gold words
+    0.8
+    """
+    def f1_one(gold: str) -> float:
+        p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
+        same = sum((Counter(p) & Counter(g)).values())
+        if same == 0:
+            return 0.0
+        precision, recall = same / len(p), same / len(g)
+        return 2 * precision * recall / (precision + recall)
+    return max(f1_one(a) for a in answers)
+
+
+def squad_scores(predictions: dict, answers: dict) -> dict:
+    """{"exact_match", "f1"} x 100 over the questions of `answers` ({id: [gold texts]}), a missing prediction
+    scoring 0, as the official script."""
+    if not answers:
+        raise ValueError("no questions to score")
+    em = sum(squad_exact(predictions.get(q, ""), a) for q, a in answers.items())
+    f1_ = sum(squad_f1(predictions.get(q, ""), a) for q, a in answers.items())
+    return {"exact_match": 100 * em / len(answers), "f1": 100 * f1_ / len(answers)}
