@@ -155,16 +155,15 @@ def collate(features: Features, rows: Sequence[int]) -> dict[str, torch.Tensor]:
 
 
 class TaskBatches:
-    """Length-grouped training batches, a pure function of (seed, step) (see the module doc).
+    """Length-grouped training batches, a pure function of (seed, step) (see the module doc), of any features
+    with len() and lengths() and the collate function that pads their rows (token tasks bring their own).
 
     An epoch is len(features) // batch_size steps (the remainder, different each epoch, waits for the next)."""
 
-    def __init__(self, features: Features, seed: int = 0):
-        if features.labels is None:
-            raise ValueError("training features need labels")
+    def __init__(self, features, seed: int = 0, collate_fn=collate):
         if len(features) == 0:
             raise ValueError("no training examples")
-        self.features, self.seed = features, seed
+        self.features, self.seed, self.collate = features, seed, collate_fn
         self._lengths = features.lengths()
         self._epoch: tuple[int, int, list] | None = None
 
@@ -194,10 +193,10 @@ class TaskBatches:
             raise ValueError(f"step must be >= 0, got {step}")
         per_epoch = self.steps_per_epoch(batch_size)
         rows = self.epoch_batches(step // per_epoch, batch_size)[step % per_epoch]
-        return collate(self.features, rows[rank_rows(batch_size, rank, world_size)].tolist())
+        return self.collate(self.features, rows[rank_rows(batch_size, rank, world_size)].tolist())
 
 
-def eval_batches(features: Features, batch_size: int, rank: int = 0, world_size: int = 1
+def eval_batches(features, batch_size: int, rank: int = 0, world_size: int = 1, collate_fn=collate
                  ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
     """Every example once, longest first (little padding), as (example numbers, batch); each rank gets its
     share of each batch (ranks may get unequal rows in the last one)."""
@@ -205,4 +204,4 @@ def eval_batches(features: Features, batch_size: int, rank: int = 0, world_size:
     for b in range(0, len(order), batch_size):
         mine = np.array_split(order[b:b + batch_size], world_size)[rank].tolist()
         if mine:
-            yield mine, collate(features, mine)
+            yield mine, collate_fn(features, mine)

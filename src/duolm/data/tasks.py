@@ -350,3 +350,128 @@ def load_task(task: str, data=None, train=None, dev=None, *, text: str = "text",
     if data is None:
         raise ValueError(f"GLUE task {task!r} needs its data folder (--data glue/{glue_task(task).folder})")
     return load_glue(task, data, splits, dev_fraction)
+
+
+# --- CoNLL-2003: a label per word -------------------------------------------------------------------------
+
+SCHEMES = ("IOB1", "IOB2", "IOBES")
+
+
+@dataclass
+class Sentence:
+    """The words of one sentence with their tags (None: untagged), its document number and first line."""
+    words: list
+    tags: list | None
+    doc: int = 0
+    where: str = ""
+
+
+def read_conll(path) -> list[Sentence]:
+    """Sentences of a CoNLL column file: a word per line, its tag in the last column (CoNLL-2003: word POS chunk
+    NER), a blank line after each sentence, "-DOCSTART-" lines between documents. Every line must have the
+    number of columns of the first (ValueError naming the file and line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    out, words, tags, doc, first, n_cols = [], [], [], 0, 0, None
+
+    def flush():
+        if words:
+            out.append(Sentence(list(words), list(tags), doc, f"{path}:{first}"))
+        words.clear()
+        tags.clear()
+
+    with open(path, encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, 1):
+            cols = line.split()
+            if not cols:
+                flush()
+                continue
+            if cols[0] == "-DOCSTART-":
+                flush()
+                doc += 1
+                continue
+            n_cols = n_cols or len(cols)
+            if len(cols) != n_cols or n_cols < 2:
+                raise ValueError(f"{path} line {n}: {len(cols)} columns, expected {n_cols} (a word, ..., its tag)"
+                                 if n_cols >= 2 else f"{path} line {n}: a word without a tag column")
+            if not words:
+                first = n
+            words.append(cols[0])
+            tags.append(cols[-1])
+    flush()
+    if not out:
+        raise ValueError(f"{path}: no sentences")
+    return out
+
+
+def tag_scheme(sentences: list[Sentence], path="") -> str:
+    """IOBES when E- / S- tags occur, IOB1 when a chunk starts with I- (after O or at the start of a sentence),
+    else IOB2; a tag that is not O nor B- / I- / E- / S-<type> is an error.
+
+    Example: [O, I-PER, I-PER] -> IOB1; [B-PER, I-PER, O] -> IOB2; [S-PER, O] -> IOBES."""
+    prefixes, i_start = set(), False
+    for s in sentences:
+        prev = "O"
+        for t in s.tags:
+            if t != "O" and (t[:2] not in ("B-", "I-", "E-", "S-") or len(t) < 3):
+                raise ValueError(f"{s.where}: tag {t!r} is not O or B-/I-/E-/S-<type>: unknown tag scheme")
+            prefixes.add(t[0])
+            i_start |= t[0] == "I" and (prev == "O" or prev[2:] != t[2:])
+            prev = t
+    if prefixes & {"E", "S"}:
+        return "IOBES"
+    return "IOB1" if i_start else "IOB2"
+
+
+# --- SQuAD: a span of the context ----------------------------------------------------------------------
+
+@dataclass
+class Question:
+    """One SQuAD question: its context, gold answers (texts and character starts; empty when unanswerable or
+    unlabelled) and the article it comes from."""
+    id: str
+    question: str
+    context: str
+    answers: list = field(default_factory=list)
+    starts: list = field(default_factory=list)
+    title: str = ""
+
+
+def read_squad(path) -> tuple[list[Question], list[str]]:
+    """-> (questions, problems) of a SQuAD v1.1 / v2.0 json file. An answer whose answer_start does not point
+    at its text in the context is left out and listed in `problems` (file, question id); a file of another
+    shape, an empty question or an empty context is an error naming the file and the question."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: not a SQuAD file (expected {{\"data\": [{{\"title\", \"paragraphs\": [...]}}]}})")
+    out, problems = [], []
+    for a, article in enumerate(data):
+        for p, para in enumerate(article.get("paragraphs", []) if isinstance(article, dict) else []):
+            where = f"{path}: data[{a}].paragraphs[{p}]"
+            if not isinstance(para, dict) or not isinstance(para.get("context"), str) or "qas" not in para:
+                raise ValueError(f"{where}: a paragraph needs a \"context\" string and \"qas\"")
+            if not para["context"].strip():
+                raise ValueError(f"{where}: the context is empty")
+            for qa in para["qas"]:
+                if not isinstance(qa, dict) or not str(qa.get("question", "")).strip() or "id" not in qa:
+                    raise ValueError(f"{where}: question {qa.get('id', '?') if isinstance(qa, dict) else qa!r} "
+                                     f"is empty or has no id")
+                q = Question(str(qa["id"]), qa["question"], para["context"], title=str(article.get("title", "")))
+                for ans in qa.get("answers", []):
+                    text, start = ans.get("text", ""), ans.get("answer_start", -1)
+                    if not isinstance(start, int) or para["context"][start:start + len(text)] != text or not text:
+                        problems.append(f"{path}: question {q.id}: answer {text!r} is not at answer_start {start}")
+                        continue
+                    q.answers.append(text)
+                    q.starts.append(start)
+                out.append(q)
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out, problems

@@ -83,6 +83,42 @@ def sequence_objective(family: str, kind: str, lm_coef: float = 0.0) -> Objectiv
                      tokens=lambda b: b["idx"].numel())
 
 
+def tag_counts(batch: dict) -> dict[str, int]:
+    return {"tokens": int((batch["labels"] != IGNORE).sum())}
+
+
+def tag_loss(logits: torch.Tensor, batch: dict, norm: dict | None = None):
+    """Cross-entropy of logits (B, T, n_labels) at the labelled pieces (the first piece of each word); metrics
+    loss and accuracy over those pieces."""
+    n = max((norm or tag_counts(batch))["tokens"], 1)
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum") / n
+    return loss, {"loss": loss.detach(), "accuracy": (logits.argmax(-1) == labels).sum().float() / n}
+
+
+def span_loss(outputs, batch: dict, norm: dict | None = None):
+    """BERT's SQuAD loss: the mean of the start and end cross-entropies over the window's pieces (padding
+    excluded, so it never changes the loss); a window without the answer points at [CLS] (position 0)."""
+    start, end = outputs
+    n = max((norm or {"n": start.shape[0]})["n"], 1)
+    pad = batch["attention_mask"] == 0
+    ce = lambda lg, y: F.cross_entropy(lg.float().masked_fill(pad, -math.inf), y, reduction="sum")   # noqa: E731
+    loss = (ce(start, batch["start"]) + ce(end, batch["end"])) / (2 * n)
+    return loss, {"loss": loss.detach()}
+
+
+def token_objective(kind: str) -> Objective:
+    """The objective of a token task: "tag" (NER) or "span" (SQuAD)."""
+    forward = lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"])   # noqa: E731
+    tokens = lambda b: b["idx"].numel()                                          # noqa: E731
+    if kind == "tag":
+        return Objective(forward=forward, loss=tag_loss, counts=tag_counts, tokens=tokens)
+    if kind == "span":
+        return Objective(forward=forward, loss=span_loss, counts=lambda b: {"n": int(b["start"].shape[0])},
+                         tokens=tokens)
+    raise ValueError(f"a token task is tag or span, not {kind!r}")
+
+
 # --- the recipe ------------------------------------------------------------------------------------
 
 def _opt(default, help, **kw):
