@@ -85,3 +85,131 @@ def test_span_head_trains_as_transformers(minilm, squad, one_thread):
         start_positions=b["start"], end_positions=b["end"]).loss)
     assert min(ref[-5:]) < ref[0] - 0.5
     assert got == pytest.approx(ref, abs=1e-5, rel=0)
+
+
+# --- readers ----------------------------------------------------------------------------------------------
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_conll_files_read_as_published(conll, data_dir):
+    assert len(conll) == 14041 and sum(len(s.words) for s in conll) == 203621 and conll[-1].doc == 946
+    assert conll[0].words[:3] == ["EU", "rejects", "German"] and conll[0].tags[:3] == ["I-ORG", "O", "I-MISC"]
+    assert conll[0].where.endswith("eng.train:3") and tag_scheme(conll) == "IOB1"
+    testa = read_conll(data_dir / "conll2003" / "eng.testa")
+    assert len(testa) == 3250 and sum(len(s.words) for s in testa) == 51362
+
+
+def test_tag_schemes_and_bad_conll_files(tmp_path):
+    sent = lambda *tags: Sentence(["w"] * len(tags), list(tags), where="f:1")       # noqa: E731
+    assert tag_scheme([sent("O", "I-PER", "I-PER")]) == "IOB1"
+    assert tag_scheme([sent("B-PER", "I-PER", "O", "B-LOC")]) == "IOB2"
+    assert tag_scheme([sent("S-PER", "O", "B-LOC", "E-LOC")]) == "IOBES"
+    with pytest.raises(ValueError, match=r"f:1: tag 'PER' is not O or B-/I-/E-/S-<type>: unknown tag scheme"):
+        tag_scheme([sent("O", "PER")])
+    bad = _write(tmp_path / "bad.conll", "-DOCSTART- -X- O O\n\nEU NNP I-NP I-ORG\nrejects VBZ I-VP\n")
+    with pytest.raises(ValueError, match=r"bad\.conll line 4: 3 columns, expected 4"):
+        read_conll(bad)
+    with pytest.raises(ValueError, match=r"empty\.conll: no sentences"):
+        read_conll(_write(tmp_path / "empty.conll", "-DOCSTART- -X- O O\n\n"))
+    two = read_conll(_write(tmp_path / "two.txt", "Hi O\n\n-DOCSTART- O\n\nBob B-PER\nruns O\n"))
+    assert [(s.words, s.tags, s.doc) for s in two] == [(["Hi"], ["O"], 0), (["Bob", "runs"], ["B-PER", "O"], 1)]
+
+
+def test_squad_files_and_their_problems(squad, tmp_path):
+    assert len(squad) == 5696 and len({q.title for q in squad}) == 24
+    assert squad[0].answers[0] == "Denver Broncos" and squad[0].context[177:191] == "Denver Broncos"
+    doc = {"data": [{"title": "T", "paragraphs": [{"context": "Bob runs fast.", "qas": [
+        {"id": "1", "question": "Who runs?", "answers": [{"text": "Bob", "answer_start": 0},
+                                                         {"text": "Bob", "answer_start": 4}]}]}]}]}
+    import json
+    qs, problems = read_squad(_write(tmp_path / "s.json", json.dumps(doc)))
+    assert qs[0].answers == ["Bob"] and problems == [f"{tmp_path / 's.json'}: question 1: answer 'Bob' is not at "
+                                                     f"answer_start 4"]
+    with pytest.raises(ValueError, match=r"not a SQuAD file"):
+        read_squad(_write(tmp_path / "x.json", '{"version": "1.1"}'))
+    doc["data"][0]["paragraphs"][0]["qas"][0]["question"] = "  "
+    with pytest.raises(ValueError, match=r"paragraphs\[0\]: question 1 is empty"):
+        read_squad(_write(tmp_path / "q.json", json.dumps(doc)))
+    doc["data"][0]["paragraphs"][0]["context"] = ""
+    with pytest.raises(ValueError, match=r"the context is empty"):
+        read_squad(_write(tmp_path / "c.json", json.dumps(doc)))
+
+
+# --- features ---------------------------------------------------------------------------------------------
+
+def test_first_piece_labels_as_transformers_word_ids(minilm, conll):
+    model, tok = minilm
+    hf = transformers.BertTokenizerFast.from_pretrained(minilm_dir())
+    labels = sorted({t for s in conll for t in s.tags})
+    sents = conll[:300]
+    f = tag_features(sents, tok, labels, max_length=512)
+    for s, ids, lab, first in zip(sents, f.ids, f.labels, f.first):
+        enc = hf(s.words, is_split_into_words=True)
+        assert ids == enc["input_ids"]
+        words = enc.word_ids()
+        want = [IGNORE if w is None or (i and words[i - 1] == w) else labels.index(s.tags[w])
+                for i, w in enumerate(words)]
+        assert lab == want and [lab[p] for p in first] == [labels.index(t) for t in s.tags]
+    assert word_pieces(tok, ["U.S.", "Hi\u200b", "\u200b"]) == [tok.encode("U.S.").ids[1:-1], tok.encode("Hi").ids[1:-1], []]
+
+
+def test_long_sentences_are_cut_and_counted(minilm):
+    _, tok = minilm
+    s = Sentence(["hello"] * 20 + ["world"], ["O"] * 20 + ["B-LOC"])
+    f = tag_features([s], tok, ["B-LOC", "O"], max_length=12)
+    assert f.cut == [0] and len(f.ids[0]) == 12 and f.first[0][:10] == list(range(1, 11)) and f.first[0][10:] == [-1] * 11
+
+
+def test_document_context_surrounds_the_sentence(minilm):
+    _, tok = minilm
+    doc = [Sentence(w.split(), ["O"] * len(w.split()), doc=d) for w, d in
+           [("one two three", 1), ("four five", 1), ("six seven eight nine", 1), ("ten", 2)]]
+    labels = ["O"]
+    plain = tag_features(doc, tok, labels, max_length=16)
+    wide = tag_features(doc, tok, labels, max_length=16, context="document")
+    assert tok.decode(wide.ids[1]) == "one two three four five six seven eight nine"   # 14 pieces fit whole
+    assert [wide.ids[1][p] for p in wide.first[1]] == [plain.ids[1][p] for p in plain.first[1]]
+    assert sum(x != IGNORE for x in wide.labels[1]) == 2                          # only its own words count
+    assert tok.decode(wide.ids[3]) == "ten"                                       # another document
+    narrow = tag_features(doc, tok, labels, max_length=8, context="document")     # room for 4 more: 2 + 2
+    assert tok.decode(narrow.ids[1]) == "two three four five six seven"
+
+
+def test_windows_and_max_context_worked_examples():
+    assert windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
+    assert windows(3, 4, 3) == [(0, 3)]
+    assert windows(300, 128, 128) == [(0, 128), (128, 128), (256, 44)]
+    spans = [(0, 4), (3, 4), (6, 4)]
+    # piece 3: window 0 gives min(3, 0) = 0, window 1 gives min(0, 3) = 0: a tie goes to the earlier window
+    assert [max_context(spans, i, 3) for i in range(3)] == [True, False, False]
+    # piece 4: window 1 (min(1, 2) = 1) beats window 0 (min(4, -1)... not inside) and window 2 (not inside)
+    assert [max_context(spans, i, 4) for i in range(3)] == [False, True, False]
+    assert [max_context(spans, i, 7) for i in range(3)] == [False, False, True]
+
+
+def test_span_features_find_the_answers(minilm, squad):
+    _, tok = minilm
+    qs = squad[:200]
+    f = span_features(qs, tok, max_length=128, stride=64)
+    assert len(f) > len(qs)                                    # long contexts make several windows
+    for r in range(len(f)):
+        q = qs[f.question[r]]
+        assert len(f.ids[r]) <= 128 and f.segment_ids[r].count(0) == f.segment_ids[r].index(1)
+        if f.start[r]:
+            a = f.offsets[r][f.start[r]][0]
+            b = f.offsets[r][f.end[r]][1]
+            assert a <= q.starts[0] and b >= q.starts[0] + len(q.answers[0])
+            assert q.context[a:b].lower().strip() == q.answers[0].lower().strip() or len(q.context[a:b]) <= \
+                len(q.answers[0]) + 6                       # a piece may hold a bit more than the answer ("1990s")
+    scored = {}
+    for r in range(len(f)):
+        for t, ok in enumerate(f.max_context[r]):
+            if ok:
+                scored.setdefault((f.question[r], f.offsets[r][t]), 0)
+                scored[(f.question[r], f.offsets[r][t])] += 1
+    assert set(scored.values()) == {1}                         # each context piece is scored in one window
+    found = sum(1 for qi in set(f.question) if any(f.start[r] for r in range(len(f)) if f.question[r] == qi))
+    assert found == len(qs)                                    # every answer is inside some window

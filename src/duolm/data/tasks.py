@@ -461,8 +461,8 @@ def read_squad(path) -> tuple[list[Question], list[str]]:
                 raise ValueError(f"{where}: the context is empty")
             for qa in para["qas"]:
                 if not isinstance(qa, dict) or not str(qa.get("question", "")).strip() or "id" not in qa:
-                    raise ValueError(f"{where}: question {qa.get('id', '?') if isinstance(qa, dict) else qa!r} "
-                                     f"is empty or has no id")
+                    qid = qa.get("id", "?") if isinstance(qa, dict) else repr(qa)
+                    raise ValueError(f"{where}: question {qid} is empty or has no id")
                 q = Question(str(qa["id"]), qa["question"], para["context"], title=str(article.get("title", "")))
                 for ans in qa.get("answers", []):
                     text, start = ans.get("text", ""), ans.get("answer_start", -1)
