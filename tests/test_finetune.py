@@ -18,7 +18,7 @@ from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.tokenizers import ByteLevelBPE
 from duolm.train import TrainConfig, lr_at, train
-from duolm.train.finetune import sequence_objective
+from duolm.train.sentence_tasks import sequence_objective
 
 transformers = pytest.importorskip("transformers")
 
@@ -406,8 +406,8 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 
 from duolm.data.tasks import load_task  # noqa: E402
-from duolm.train.finetune import (FinetuneConfig, evaluate_task, finetune, load_finetuned, predict,  # noqa: E402
-                                  summarize, write_glue_predictions)
+from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict, summarize  # noqa: E402
+from duolm.train.sentence_tasks import evaluate_task, write_glue_predictions  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +558,7 @@ def test_cli_finetune_predict_evaluate(tiny_bert_dir, sst2_csv, tmp_path, capsys
     capsys.readouterr()
     main(["predict", str(run), "fine", "--json"])
     (pred,) = json.loads(capsys.readouterr().out)
-    assert pred["input"] == "fine" and set(pred["probabilities"]) == {"neg", "pos"}
+    assert pred["input"] == "fine" and set(pred["prediction"]["probabilities"]) == {"neg", "pos"}
 
 
 def test_cli_errors_are_one_line(tiny_bert_dir, sst2_csv, tmp_path, capsys):

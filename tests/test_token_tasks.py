@@ -14,7 +14,7 @@ from duolm.data.token_tasks import (IGNORE, SpanFeatures, collate_spans, collate
                                     tag_features, windows, word_pieces)
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.train import TrainConfig, lr_at, train
-from duolm.train.finetune import token_objective
+from duolm.train.token_tasks import token_objective
 from test_finetune import _reference_losses, minilm_dir, one_thread  # noqa: F401
 
 transformers = pytest.importorskip("transformers")

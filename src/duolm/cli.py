@@ -358,7 +358,12 @@ def _add_finetune(sub):
     p.set_defaults(func=cmd_finetune)
 
 
-def _read_inputs(args) -> list:
+def _read_inputs(args, kind: str) -> list:
+    if kind == "span":
+        if not args.question or not args.context:
+            raise ValueError("a question answerer needs --question (repeatable) and --context FILE")
+        context = Path(args.context).read_text(encoding="utf-8")
+        return [(q, context) for q in args.question]
     if args.file:
         lines = Path(args.file).read_text(encoding="utf-8").splitlines()
         rows = [tuple(line.split("\t")) if "\t" in line else line for line in lines if line.strip()]
@@ -371,37 +376,46 @@ def _read_inputs(args) -> list:
     return list(zip(args.texts[::2], args.texts[1::2])) if args.pairs else args.texts
 
 
+def _prediction_line(inp, r) -> str:
+    if isinstance(r, list):                                  # a tagger: the entities of the text
+        return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
+    if "answer" in r:
+        return f"{inp[0]}\t{r['answer']}\t[{r['start']}:{r['end']}]\t{r['score']:.3f}"
+    what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
+    return "\t".join(inp if isinstance(inp, tuple) else (inp,)) + "\t" + what
+
+
 def cmd_predict(args):
     from duolm.data.tasks import load_task
-    from duolm.train.finetune import load_finetuned, predict, write_glue_predictions
+    from duolm.fileio import write_text
+    from duolm.train.finetune import load_finetuned, predict
+    from duolm.train.sentence_tasks import write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
     if args.data:
         files = write_glue_predictions(model, tok, load_task(model.head.task, args.data, splits=("test",)), args.out)
         return print("wrote " + ", ".join(map(str, files)))
-    inputs = _read_inputs(args)
+    inputs = _read_inputs(args, model.head.kind)
     results = predict(model, tok, inputs)
     if args.json:
-        return print(json.dumps([{"input": i, **r} for i, r in zip(inputs, results)]))
-    lines = []
-    for text, r in zip(inputs, results):
-        what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
-        lines.append("\t".join(text if isinstance(text, tuple) else (text,)) + "\t" + what)
+        return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
+    lines = [_prediction_line(i, r) for i, r in zip(inputs, results)]
     if args.out:
-        from duolm.fileio import write_text
         write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines) if not args.out else f"wrote {len(lines)} predictions to {args.out}")
-    if any(r.get("truncated") for r in results):
-        print(f"duolm: {sum(bool(r.get('truncated')) for r in results)} input(s) longer than "
-              f"{model.head.max_length} tokens were cut", file=sys.stderr)
+    cut = sum(isinstance(r, dict) and bool(r.get("truncated")) for r in results)
+    if cut:
+        print(f"duolm: {cut} input(s) longer than {model.head.max_length} tokens were cut", file=sys.stderr)
 
 
 def _add_predict(sub):
-    p = sub.add_parser("predict", help="label texts (or pairs) with a fine-tuned model")
+    p = sub.add_parser("predict", help="label texts (or pairs), tag entities or answer questions with a fine-tuned model")
     p.add_argument("model", help="fine-tuned run folder or model directory")
-    p.add_argument("texts", nargs="*", help="texts to label")
+    p.add_argument("texts", nargs="*", help="texts to label or tag")
     p.add_argument("--pairs", action="store_true", help="the texts are sentence pairs, two at a time")
     p.add_argument("--file", default=None, help="one input per line; a tab separates the two texts of a pair")
+    p.add_argument("--question", action="append", help="question answering: a question (repeatable)")
+    p.add_argument("--context", default=None, help="question answering: the text file to find the answer in")
     p.add_argument("--data", default=None, help="GLUE task folder: write the submission files of its test files")
     p.add_argument("-o", "--out", default=None, help="output file (--file) or folder (--data)")
     p.add_argument("--device", default=None)
@@ -411,22 +425,24 @@ def _add_predict(sub):
 
 def cmd_evaluate(args):
     from duolm.data.tasks import load_task
-    from duolm.train.finetune import evaluate_task, load_finetuned
+    from duolm.train import token_tasks
+    from duolm.train.finetune import load_finetuned
+    from duolm.train.sentence_tasks import evaluate_task
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    head = model.head
-    data = load_task(head.task, args.data, args.train, args.dev, text=args.text_column, pair=args.text_pair_column,
-                     label=args.label_column, splits=(args.split,) if args.split == "dev" and not args.dev_fraction
-                     else ("train", "dev"), dev_fraction=args.dev_fraction, kind=head.kind, labels=head.labels)
-    if args.split == "train":
-        data.dev = {"": data.train}
-    metrics = evaluate_task(model, tok, data)
+    head, notes = model.head, []
+    if head.kind in ("tag", "span"):
+        metrics = token_tasks.evaluate(model, tok, head.task, args.data, args.dev, args.dev_fraction)
+    else:
+        data = load_task(head.task, args.data, args.train, args.dev, text=args.text_column, pair=args.text_pair_column,
+                         label=args.label_column, splits=("train", "dev") if args.split == "train" or args.dev_fraction
+                         else ("dev",), dev_fraction=args.dev_fraction, kind=head.kind, labels=head.labels)
+        notes, data.dev = data.notes, ({"": data.train} if args.split == "train" else data.dev)
+        metrics = evaluate_task(model, tok, data)
     if args.json:
         return print(json.dumps({"task": head.task, "split": args.split, **metrics}))
-    for note in data.notes:
-        print("note: " + note)
-    for k, v in metrics.items():
-        print(f"{k:<16} {v:.4f}")
+    print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
+                    + [f"  {t:<14} {s['f1']:.4f} ({s['support']})" for t, s in metrics.get("per_type", {}).items()]))
 
 
 def _add_evaluate(sub):

@@ -1,16 +1,12 @@
-"""Fine-tuning: the losses of the heads, and finetune() / predict() / evaluate_task() as library calls.
+"""Fine-tuning as one library call: finetune() on a sentence task (GLUE, the user's labelled texts), NER
+(CoNLL-2003) or SQuAD, with the papers' recipes, several seeds and a learning-rate grid; predict() and
+evaluate_task() for the fine-tuned model whatever its head.
 
-    L = CE(logits, label)                          classification (BERT section 4.1)
-    L = (logit - y)^2                              regression (STS-B)
-    L = L_task + lambda L_LM                       GPT-1 section 3.3: the LM loss on the same inputs helps
-                                                   generalisation and convergence (lambda 0.5)
-
-As in duolm.train.objectives, each loss is a sum divided by the step's count (norm["n"] inputs,
-norm["lm"] predicted tokens), so micro-batches add up to the loss of the whole batch.
+A task is a batch source plus a loss (duolm.train.sentence_tasks, duolm.train.token_tasks prepare them);
+every run is the one train() loop, with the dev metrics after every epoch and the best model kept.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import statistics
@@ -18,106 +14,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from duolm.checkpoint import load
-from duolm.data.features import Features, TaskBatches, eval_batches, encode_examples
-from duolm.data.tasks import GLUE, Example, TaskData, load_task, write_submission
-from duolm.evaluation.metrics import SEQUENCE_METRICS
+from duolm.data.features import TaskBatches
+from duolm.data.tasks import GLUE
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
-from duolm.models.heads import HEAD_MODELS, HeadConfig, attach_head
+from duolm.models.heads import HEAD_MODELS, attach_head
 from duolm.runs import read_metrics, replace_folder
+from duolm.train import sentence_tasks, token_tasks
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, train
-from duolm.train.objectives import IGNORE, Objective, causal_lm_loss
-
-
-def sequence_counts(batch: dict) -> dict[str, int]:
-    counts = {"n": int(batch["labels"].shape[0])}
-    if "y" in batch:
-        counts["lm"] = int((batch["y"] != IGNORE).sum())
-    return counts
-
-
-def classify_loss(logits: torch.Tensor, batch: dict, norm: dict | None = None):
-    """Cross-entropy of logits (B, n_labels) against batch["labels"] (B,) class ids; metrics loss, accuracy."""
-    n = max((norm or sequence_counts(batch))["n"], 1)
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.float(), labels, reduction="sum") / n
-    return loss, {"loss": loss.detach(), "accuracy": (logits.argmax(-1) == labels).sum().float() / n}
-
-
-def regress_loss(logits: torch.Tensor, batch: dict, norm: dict | None = None):
-    """Squared error of logits (B, 1) against batch["labels"] (B,) floats; metric loss (the mean)."""
-    n = max((norm or sequence_counts(batch))["n"], 1)
-    loss = F.mse_loss(logits.float().squeeze(-1), batch["labels"].float(), reduction="sum") / n
-    return loss, {"loss": loss.detach()}
-
-
-def with_lm_loss(task_loss, lm_coef: float):
-    """GPT-1's L_task + lm_coef * L_LM over outputs (logits, lm_logits); metrics add task_loss and lm_loss."""
-    def loss(outputs, batch: dict, norm: dict | None = None):
-        logits, lm_logits = outputs
-        norm = norm or sequence_counts(batch)
-        task, metrics = task_loss(logits, batch, norm)
-        if lm_logits is None:
-            return task, metrics
-        lm, _ = causal_lm_loss(lm_logits, batch, norm)
-        total = task + lm_coef * lm
-        return total, {**metrics, "task_loss": task.detach(), "lm_loss": lm.detach(), "loss": total.detach()}
-    return loss
-
-
-def sequence_objective(family: str, kind: str, lm_coef: float = 0.0) -> Objective:
-    """The objective of a sentence (pair) task: BERT's classifier / regressor, or GPT's with lm_coef * L_LM."""
-    if kind not in ("classify", "regress"):
-        raise ValueError(f"a sentence task is classify or regress, not {kind!r}")
-    task_loss = classify_loss if kind == "classify" else regress_loss
-    if family == "bert":
-        return Objective(forward=lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"]), loss=task_loss,
-                         counts=sequence_counts, tokens=lambda b: b["idx"].numel())
-    lm = lm_coef > 0
-    return Objective(forward=lambda m, b: m(b["idx"], b["last"], lm=lm), loss=with_lm_loss(task_loss, lm_coef),
-                     counts=sequence_counts if lm else (lambda b: {"n": int(b["labels"].shape[0])}),
-                     tokens=lambda b: b["idx"].numel())
-
-
-def tag_counts(batch: dict) -> dict[str, int]:
-    return {"tokens": int((batch["labels"] != IGNORE).sum())}
-
-
-def tag_loss(logits: torch.Tensor, batch: dict, norm: dict | None = None):
-    """Cross-entropy of logits (B, T, n_labels) at the labelled pieces (the first piece of each word); metrics
-    loss and accuracy over those pieces."""
-    n = max((norm or tag_counts(batch))["tokens"], 1)
-    labels = batch["labels"]
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum") / n
-    return loss, {"loss": loss.detach(), "accuracy": (logits.argmax(-1) == labels).sum().float() / n}
-
-
-def span_loss(outputs, batch: dict, norm: dict | None = None):
-    """BERT's SQuAD loss: the mean of the start and end cross-entropies over the window's pieces (padding
-    excluded, so it never changes the loss); a window without the answer points at [CLS] (position 0)."""
-    start, end = outputs
-    n = max((norm or {"n": start.shape[0]})["n"], 1)
-    pad = batch["attention_mask"] == 0
-    ce = lambda lg, y: F.cross_entropy(lg.float().masked_fill(pad, -math.inf), y, reduction="sum")   # noqa: E731
-    loss = (ce(start, batch["start"]) + ce(end, batch["end"])) / (2 * n)
-    return loss, {"loss": loss.detach()}
-
-
-def token_objective(kind: str) -> Objective:
-    """The objective of a token task: "tag" (NER) or "span" (SQuAD)."""
-    forward = lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"])   # noqa: E731
-    tokens = lambda b: b["idx"].numel()                                          # noqa: E731
-    if kind == "tag":
-        return Objective(forward=forward, loss=tag_loss, counts=tag_counts, tokens=tokens)
-    if kind == "span":
-        return Objective(forward=forward, loss=span_loss, counts=lambda b: {"n": int(b["start"].shape[0])},
-                         tokens=tokens)
-    raise ValueError(f"a token task is tag or span, not {kind!r}")
-
 
 # --- the recipe ------------------------------------------------------------------------------------
 
@@ -127,6 +34,7 @@ def _opt(default, help, **kw):
 
 # The papers' recipes: BERT section 4 / appendix A.3, GPT-1 section 4.1 ("fine-tuning details").
 RECIPES = {"bert": {"lr": 2e-5, "warmup": 0.1, "lm_coef": 0.0}, "gpt2": {"lr": 6.25e-5, "warmup": 0.002, "lm_coef": 0.5}}
+TOKEN_TASK_LR = 5e-5                # BERT section 4.2 (SQuAD v1.1: 5e-5, batch 32, 3 epochs); NER alike
 LR_GRID = (5e-5, 3e-5, 2e-5)        # BERT's grid, chosen on dev
 
 
@@ -142,7 +50,7 @@ class FinetuneConfig:
     warmup: float | None = _opt(None, "share of the steps with linear warmup (BERT 0.1, GPT 0.002); linear decay after")
     weight_decay: float = _opt(0.01, "AdamW weight decay of the matrices")
     dropout: float = _opt(0.1, "dropout of the backbone and the head")
-    max_length: int = _opt(128, "tokens per input at most (longer inputs are cut, and counted)")
+    max_length: int | None = _opt(None, "tokens per input at most (128; SQuAD 384); longer inputs are cut, and counted")
     lm_coef: float | None = _opt(None, "GPT: weight of the auxiliary LM loss (0.5; 0 disables it)")
     both_orders: bool = _opt(False, "GPT sentence pairs: also feed B<d>A and sum the two states (GPT-1 similarity)")
     grad_clip: float = _opt(1.0, "clip the gradient norm to this (0: off)")
@@ -151,19 +59,25 @@ class FinetuneConfig:
     seeds: int = _opt(1, "runs with different seeds (results.json: each, mean, std, best)")
     select: str = _opt("mean", "several seeds: report the mean, or keep the best on dev (BERT's restarts)",
                        choices=("mean", "best"))
-    dev_fraction: float = _opt(0.0, "without a dev file, hold out this last share of train as dev")
+    dev_fraction: float = _opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
+    context: str = _opt("sentence", "NER: each sentence alone, or with its document around it (BERT)",
+                        choices=("sentence", "document"))
+    stride: int = _opt(128, "SQuAD: pieces between the starts of a long context's windows")
     compile: bool = _opt(False, "torch.compile the model for training")
 
     def __post_init__(self):
-        for name in ("batch_size", "seeds", "max_length"):
-            if getattr(self, name) < 1:
+        for name in ("batch_size", "seeds", "max_length", "stride"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0")
 
-    def resolved(self, family: str) -> "FinetuneConfig":
-        """A copy with every None replaced by the family's recipe."""
-        return replace(self, **{k: v for k, v in RECIPES[family].items() if getattr(self, k) is None})
+    def resolved(self, family: str, kind: str = "classify") -> "FinetuneConfig":
+        """A copy with every None replaced by the recipe of the family and the kind of task."""
+        recipe = {**RECIPES[family], "max_length": 384 if kind == "span" else 128}
+        if kind in ("tag", "span"):
+            recipe["lr"] = TOKEN_TASK_LR
+        return replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
 
 
 # --- models in, predictions out ---------------------------------------------------------------------
@@ -190,112 +104,30 @@ def load_finetuned(path, device="cpu"):
     return model, tok
 
 
-def encode(examples, tokenizer, head: HeadConfig) -> Features:
-    return encode_examples(examples, tokenizer, head.max_length, head.labels, head.kind, head.both_orders)
-
-
-@torch.no_grad()
-def predict_logits(model, features: Features, batch_size: int = 64) -> torch.Tensor:
-    """The head's outputs (N, n_out) for every example of `features`, in order (float32, on the CPU)."""
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    out = torch.empty(len(features), model.head.n_out)
-    bf16 = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
-    for index, batch in eval_batches(features, batch_size):
-        b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with bf16:
-            logits = model(b["idx"], b["segment_ids"], b["attention_mask"]) if features.family == "bert" else \
-                model(b["idx"], b["last"])[0]
-        out[index] = logits.float().cpu()
-    model.train(was_training)
-    return out
-
-
-def scores(logits: torch.Tensor, features: Features, kind: str, metrics) -> dict[str, float]:
-    """The task's metrics (names in duolm.evaluation.metrics.SEQUENCE_METRICS) and the mean loss."""
-    gold = features.labels
-    if kind == "regress":
-        pred = logits[:, 0].tolist()
-        loss = F.mse_loss(logits[:, 0], torch.tensor(gold)).item()
-    else:
-        pred = logits.argmax(-1).tolist()
-        loss = F.cross_entropy(logits, torch.tensor(gold)).item()
-    return {**{m: SEQUENCE_METRICS[m](pred, gold) for m in metrics}, "loss": loss}
-
-
-def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
-    """Predictions of a fine-tuned head model for texts (str) or pairs ((str, str)), in order:
-    {"label", "probabilities": {label: p}} (classify) or {"score"} (regress); "truncated": True marks an
-    input that was cut to the model's max_length."""
-    head = model.head
-    examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
-    feats = encode(examples, tokenizer, head)
-    logits = predict_logits(model, feats, batch_size)
-    if head.kind == "regress":
-        out = [{"score": float(x)} for x in logits[:, 0]]
-    else:
-        probs = logits.softmax(-1)
-        out = [{"label": head.labels[int(p.argmax())], "probabilities": dict(zip(head.labels, p.tolist()))}
-               for p in probs]
-    for i in feats.cut:
-        out[i]["truncated"] = True
-    return out
-
-
-def evaluate_task(model, tokenizer, data: TaskData, batch_size: int = 64) -> dict[str, float]:
-    """The task's metrics of a fine-tuned model on each dev set of `data` ({prefix + metric: value})."""
-    if data.kind != model.head.kind or (data.labels and data.labels != model.head.labels):
-        raise ValueError(f"the model predicts {model.head.kind} {model.head.labels or ''} (task {model.head.task!r}); "
-                         f"the data is {data.kind} {data.labels or ''} (task {data.name!r})")
-    out = {}
-    for prefix, examples in data.dev.items():
-        feats = encode(examples, tokenizer, model.head)
-        out.update({prefix + k: v for k, v in scores(predict_logits(model, feats, batch_size), feats, data.kind,
-                                                      data.metrics).items()})
-    return out
-
-
-def write_glue_predictions(model, tokenizer, data: TaskData, out_dir, batch_size: int = 64) -> list[Path]:
-    """The GLUE submission files (SST-2.tsv, MNLI-m.tsv, ...) for the test files of `data`, into out_dir."""
-    if not data.test:
-        raise ValueError(f"no GLUE test file found for task {data.name!r}")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, examples in data.test.items():
-        logits = predict_logits(model, encode(examples, tokenizer, model.head), batch_size)
-        preds = logits[:, 0].tolist() if data.kind == "regress" else [data.labels[i] for i in logits.argmax(-1)]
-        written.append(write_submission(out_dir / name, examples, preds))
-    return written
+def predict(model, tokenizer, inputs, batch_size: int = 64) -> list:
+    """Predictions of a fine-tuned model, whatever its head: classify / regress: texts or (text, text) pairs ->
+    {"label", "probabilities"} / {"score"}; tag: texts -> their entities; span: (question, context) pairs ->
+    {"answer", "start", "end", "score"}."""
+    tasks = token_tasks if model.head.kind in ("tag", "span") else sentence_tasks
+    return tasks.predict(model, tokenizer, inputs, batch_size)
 
 
 # --- fine-tuning -------------------------------------------------------------------------------------
 
-def _validator(dev: dict, kind: str, metrics, batch_size: int):
-    def validate(model):
-        out = {}
-        for prefix, feats in dev.items():
-            out.update({f"val_{prefix}{k}": v for k, v in
-                        scores(predict_logits(model, feats, batch_size), feats, kind, metrics).items()})
-        return out
-    return validate
-
-
-def _one_run(base, tok, family, head, train_feats, dev_feats, data, cfg, lr, seed, run_dir, device, resume,
+def _one_run(base, tok, task: dict, cfg: FinetuneConfig, lr: float, seed: int, run_dir, device, resume,
              on_log) -> dict:
+    """One seed at one learning rate: train() with the task's batches, loss and validation; -> the dev metrics
+    of the best evaluation (by the task's first metric)."""
     torch.manual_seed(seed)                                  # the new layer's initial weights
-    model = attach_head(base, head, cfg.dropout).to(device)
-    batches = TaskBatches(train_feats, seed)
-    per_epoch, max_steps = _steps(train_feats, cfg)
-    main = "val_" + data.metrics[0]
+    model = attach_head(base, task["head"], cfg.dropout).to(device)
+    per_epoch, max_steps = _steps(task["train"], cfg)
+    main = "val_" + task["metrics"][0]
     tc = TrainConfig(max_steps=max_steps, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, lr=lr,
                      warmup_steps=round(cfg.warmup * max_steps), decay="linear", weight_decay=cfg.weight_decay,
                      betas=(0.9, 0.999), eps=1e-6, grad_clip=cfg.grad_clip, eval_every=cfg.eval_every or per_epoch,
                      checkpoint_every=per_epoch, keep_last=1, seed=seed, compile=cfg.compile, select_metric=main)
-    objective = sequence_objective(family, head.kind, cfg.lm_coef if family == "gpt2" else 0.0)
-    train(model, objective, batches, tc, run_dir, validate=_validator(dev_feats, head.kind, data.metrics, 2 * cfg.batch_size),
-          tokenizer=tok, resume=resume, on_log=on_log)
+    train(model, task["objective"], TaskBatches(task["train"], seed, task["collate"]), tc, run_dir,
+          validate=task["validate"], tokenizer=tok, resume=resume, on_log=on_log)
     plot_run(run_dir)
     evals = [r for r in read_metrics(run_dir) if isinstance(r.get(main), float) and not math.isnan(r[main])]
     best = max(evals, key=lambda r: r[main]) if evals else {"step": max_steps}
@@ -304,7 +136,7 @@ def _one_run(base, tok, family, head, train_feats, dev_feats, data, cfg, lr, see
             "metrics": {k[4:]: v for k, v in best.items() if k.startswith("val_")}}
 
 
-def _steps(train_feats: Features, cfg: FinetuneConfig) -> tuple[int, int]:
+def _steps(train_feats, cfg: FinetuneConfig) -> tuple[int, int]:
     """(steps per epoch, steps in all) of a run."""
     per_epoch = TaskBatches(train_feats).steps_per_epoch(cfg.batch_size)
     return per_epoch, max(1, round(cfg.epochs * per_epoch))
@@ -315,34 +147,29 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
              device: str | None = None, resume: bool = False, on_start=None, on_log=None) -> dict:
     """Fine-tune `model` (a GPT-2 / BERT directory or run) on `task` into `run_dir`; returns the results.
 
-    task: a GLUE task with its folder `data` (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli), or
-    "classify" / "regress" with the user's train_file / dev_file and their column names. Every seed (and
-    learning rate of the grid) is a run of the one train() loop with dev metrics after every epoch and the
-    best model kept in best/; several runs go to run_dir/seed-S (lr-L-seed-S), the best one's model is
-    copied to run_dir/best. run_dir/results.json and results.md hold each run's best dev metrics, mean and
-    std over the seeds, and the best run. on_start(info) is called once the data is encoded (sizes, notes,
-    truncated counts); on_log(row) with every row of every run.
+    task: a GLUE task with its folder `data` (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli);
+    "classify" / "regress" with the user's train_file / dev_file and their column names; "conll2003" with
+    its folder (eng.train, eng.testa) or "ner" with CoNLL-format files; "squad" with SQuAD json files.
+    Every seed (and learning rate of the grid) is a run of the one train() loop with dev metrics after every
+    epoch and the best model kept in best/; several runs go to run_dir/seed-S (lr-L-seed-S), the best one's
+    model is copied to run_dir/best. run_dir/results.json and results.md hold each run's best dev metrics,
+    mean and std over the seeds, and the best run. on_start(info) is called once the data is encoded
+    (sizes, notes, truncated counts); on_log(row) with every row of every run.
     """
-    cfg = (config or FinetuneConfig())
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base, tok, family = load_pretrained(model, dev)
-    cfg = cfg.resolved(family)
-    if cfg.both_orders and family != "gpt2":
-        raise ValueError("both_orders is GPT's way of feeding sentence pairs; BERT reads one [CLS] A [SEP] B [SEP]")
-    data_ = load_task(task, data, train_file, dev_file, text=text_column, pair=pair_column, label=label_column,
-                      dev_fraction=cfg.dev_fraction)
-    if not data_.dev:
-        raise ValueError(f"task {task!r} has no dev set to select on: give a dev file or a dev fraction")
-    head = HeadConfig(data_.kind, data_.labels, data_.name, min(cfg.max_length, base.config.block_size),
-                      cfg.both_orders)
-    train_feats = encode(data_.train, tok, head)
-    dev_feats = {p: encode(e, tok, head) for p, e in data_.dev.items()}
+    kind = token_tasks.kind_of(task)
+    cfg = (config or FinetuneConfig()).resolved(family, kind)
+    files = dict(data=data, train_file=train_file, dev_file=dev_file)
+    if kind is None:
+        prepared = sentence_tasks.prepare(task, tok, family, cfg, base.config.block_size, text_column=text_column,
+                                          pair_column=pair_column, label_column=label_column, **files)
+    else:
+        prepared = token_tasks.prepare(task, tok, family, cfg, base.config.block_size, **files)
     lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
-    info = {"runs": len(lrs) * cfg.seeds, "steps": _steps(train_feats, cfg)[1], "model": str(model), "family": family, "device": str(dev), "task": data_.name, "kind": data_.kind,
-            "labels": data_.labels, "metric": data_.metrics[0], "train": len(train_feats),
-            "dev": {p or "dev": len(f) for p, f in dev_feats.items()}, "notes": data_.notes,
-            "truncated": {"train": train_feats.truncated, **{(p or "dev"): f.truncated for p, f in dev_feats.items()}},
-            "max_length": head.max_length, "config": asdict(cfg)}
+    info = {"model": str(model), "family": family, "device": str(dev), **prepared["info"],
+            "metric": prepared["metrics"][0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared["train"], cfg)[1],
+            "max_length": prepared["head"].max_length, "config": asdict(cfg)}
     if on_start is not None:
         on_start(info)
     run_dir = Path(run_dir)
@@ -351,9 +178,8 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
     for lr in lrs:
         for seed in range(cfg.seed, cfg.seed + cfg.seeds):
             sub = run_dir if single else run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}")
-            runs_.append(_one_run(base, tok, family, head, train_feats, dev_feats, data_, cfg, lr, seed, sub, dev,
-                                  resume, on_log))
-    results = {**info, **summarize(runs_, data_.metrics[0], cfg.select)}
+            runs_.append(_one_run(base, tok, prepared, cfg, lr, seed, sub, dev, resume, on_log))
+    results = {**info, **summarize(runs_, info["metric"], cfg.select)}
     if not single:
         best = run_dir / results["best"]["run"] / "best"
         replace_folder(run_dir / "best", lambda d: [shutil.copy2(f, d / f.name) for f in best.iterdir()])
