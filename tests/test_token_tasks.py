@@ -213,3 +213,80 @@ def test_span_features_find_the_answers(minilm, squad):
     assert set(scored.values()) == {1}                         # each context piece is scored in one window
     found = sum(1 for qi in set(f.question) if any(f.start[r] for r in range(len(f)) if f.question[r] == qi))
     assert found == len(qs)                                    # every answer is inside some window
+
+
+# --- finetune() / predict() / evaluate on token tasks -------------------------------------------------------
+
+import json  # noqa: E402
+
+from duolm.train import token_tasks  # noqa: E402
+from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict  # noqa: E402
+from test_finetune import tiny_bert_dir  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def conll_dir(data_dir, tmp_path_factory):
+    """eng.train / eng.testa cut to their first documents."""
+    d = tmp_path_factory.mktemp("conll")
+    for name, n in (("eng.train", 1200), ("eng.testa", 400)):
+        lines = (data_dir / "conll2003" / name).read_text(encoding="utf-8").splitlines()[:n]
+        (d / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return d
+
+
+def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread):
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
+    res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, data=conll_dir)
+    assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
+    assert set(res["labels"]) >= {"I-PER", "I-LOC", "I-ORG", "I-MISC", "O"} and res["notes"][-1] == "tag scheme IOB1"
+    assert set(res["mean"]) == {"f1", "precision", "recall"} and res["config"]["lr"] == 1e-3
+    model, tok = load_finetuned(tmp_path / "ner")
+    dev = read_conll(conll_dir / "eng.testa")
+    got = token_tasks.tag_scores(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
+    assert got["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
+    (ents,) = predict(model, tok, ["Angela Merkel visited Paris on Monday."])
+    text = "Angela Merkel visited Paris on Monday."
+    assert all(text[e["start"]:e["end"]] == e["text"] and e["type"] in ("PER", "LOC", "ORG", "MISC") for e in ents)
+
+
+def test_predicted_entities_are_conlleval_chunks_of_words(minilm):
+    """The words and character spans predict() works with: BERT's split of the text, chunks by conlleval."""
+    _, tok = minilm
+    text = "Angela  Merkel's visit (to Paris-Nord) on Monday."
+    spans = token_tasks._words(tok, text)
+    assert [text[a:b] for a, b in spans] == ["Angela", "Merkel", "'", "s", "visit", "(", "to", "Paris", "-", "Nord",
+                                             ")", "on", "Monday", "."]
+
+
+def test_squad_run_split_by_article(tiny_bert_dir, squad, tmp_path, one_thread):
+    doc = json.loads((data_dir_path() / "squad" / "dev-v1.1-articles-01-24.json").read_text(encoding="utf-8"))
+    doc["data"] = [{**a, "paragraphs": a["paragraphs"][:2]} for a in doc["data"][:5]]
+    small = tmp_path / "five.json"
+    small.write_text(json.dumps(doc), encoding="utf-8")
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=1, max_length=96, stride=48, dev_fraction=0.2)
+    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, train_file=small)
+    assert res["kind"] == "span" and res["metric"] == "f1" and set(res["mean"]) == {"f1", "exact_match"}
+    held = doc["data"][4]["title"]                                     # 20% of 5 articles: the last one
+    assert res["notes"][0].startswith(f"articles {held} of ") and res["dev"] == {"dev": sum(
+        len(p["qas"]) for p in doc["data"][4]["paragraphs"])}
+    assert 0 <= res["mean"]["f1"] <= 1
+    model, tok = load_finetuned(tmp_path / "qa")
+    context = "The Broncos beat the Panthers. " * 40_000                                    # 1.2 million characters
+    (ans,) = predict(model, tok, [("Who beat the Panthers?", context)])
+    assert context[ans["start"]:ans["end"]] == ans["answer"] and ans["end"] - ans["start"] < 400
+    with pytest.raises(ValueError, match=r"input 0: a question answerer takes \(question, context\) pairs"):
+        predict(model, tok, [("", "context")])
+
+
+def data_dir_path():
+    from conftest import DATA
+    return DATA
+
+
+def test_max_context_table_is_the_plain_rule():
+    from duolm.data.token_tasks import max_context_table
+    for n, room, stride in [(10, 4, 3), (300, 128, 128), (1000, 61, 17), (50, 50, 10), (7, 3, 1)]:
+        spans = windows(n, room, stride)
+        owner = max_context_table(spans, n)
+        assert all(max_context(spans, owner[p], p) for p in range(n))
+        assert all(max_context(spans, i, p) == (owner[p] == i) for i in range(len(spans)) for p in range(n))

@@ -137,9 +137,9 @@ def prepare(task: str, tok, family: str, cfg, block_size: int, *, data=None, tra
         notes += [f"tag scheme {scheme}" + (f"; {repaired} chunk(s) start with I- or E-, read as starts as conlleval "
                                             f"does" if repaired else "")]
         validate = lambda model: {"val_" + k: v for k, v in          # noqa: E731
-                                  tag_scores(model, tok, dev, dev_feats, 2 * cfg.batch_size).items() if k != "per_type"}
+                                  tag_scores(model, tok, dev, dev_feats, 2 * cfg.batch_size).items() if k in metrics}
         metrics, collate, sizes = ("f1", "precision", "recall"), collate_tags, (len(train), len(dev))
-        cut = {"train": feats.truncated, "dev": dev_feats.truncated}
+        cut = {"train": len(feats.cut), "dev": len(dev_feats.cut)}
     else:
         head = HeadConfig("span", [], "squad", max_length)
         feats = span_features([q for q in train if q.answers], tok, max_length, stride=cfg.stride)
