@@ -5,6 +5,7 @@ The real checkpoint all-MiniLM-L6-v2 (installed by `make test`) plays BERT; GPT-
 saved in HF format. Every training here is a few steps on a few real GLUE rows."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from pathlib import Path
 
@@ -593,3 +594,14 @@ def test_glue_suite_and_the_papers_table(tiny_bert_dir, data_dir, tmp_path, one_
     assert two.splitlines()[0] == "| | MNLI | MNLI-MM | MRPC | Average |"
     assert two.splitlines()[2] == "| duolm (dev) | 80.0 | 81.0 | 88.0 | 83.0 |"        # (80 + 81 + 88) / 3
     assert two.splitlines()[3] == "| BERT-base (paper, test) | 84.6 | 83.4 | 88.9 | 85.6 |"
+
+
+def test_seeds_in_parallel_processes_give_the_same_runs(tiny_bert_dir, sst2_csv, tmp_path):
+    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
+              label_column="sentiment")
+    cfg = FinetuneConfig(lr=1e-3, batch_size=32, epochs=1, max_length=16, seeds=2)
+    one = finetune(tiny_bert_dir, "classify", tmp_path / "one", cfg, **kw)
+    two = finetune(tiny_bert_dir, "classify", tmp_path / "two", dataclasses.replace(cfg, jobs=2), **kw)
+    assert [r["seed"] for r in two["runs"]] == [0, 1] and (tmp_path / "two" / "seed-1" / "best").is_dir()
+    for a, b in zip(one["runs"], two["runs"]):
+        assert b["metrics"] == pytest.approx(a["metrics"], abs=1e-5) and a["step"] == b["step"]

@@ -8,8 +8,10 @@ every run is the one train() loop, with the dev metrics after every epoch and th
 from __future__ import annotations
 
 import math
+import multiprocessing
 import shutil
 import statistics
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -57,6 +59,7 @@ class FinetuneConfig:
     eval_every: int = _opt(0, "also validate every N steps (0: after every epoch)")
     seed: int = _opt(0, "first seed; seeds are seed, seed+1, ...")
     seeds: int = _opt(1, "runs with different seeds (results.json: each, mean, std, best)")
+    jobs: int = _opt(1, "runs at once in worker processes (GPUs dealt out round-robin; no progress bar)")
     select: str = _opt("mean", "several seeds: report the mean, or keep the best on dev (BERT's restarts)",
                        choices=("mean", "best"))
     dev_fraction: float = _opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
@@ -66,7 +69,7 @@ class FinetuneConfig:
     compile: bool = _opt(False, "torch.compile the model for training")
 
     def __post_init__(self):
-        for name in ("batch_size", "seeds", "max_length", "stride"):
+        for name in ("batch_size", "seeds", "max_length", "stride", "jobs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.epochs <= 0:
@@ -142,6 +145,31 @@ def _steps(train_feats, cfg: FinetuneConfig) -> tuple[int, int]:
     return per_epoch, max(1, round(cfg.epochs * per_epoch))
 
 
+def _prepare(task, tok, family, cfg, block_size, files: dict) -> dict:
+    tasks = sentence_tasks if token_tasks.kind_of(task) is None else token_tasks
+    return tasks.prepare(task, tok, family, cfg, block_size, **files)
+
+
+def _job(model, task, files, cfg, lr, seed, run_dir, device, resume, threads) -> dict:
+    """One run in a worker process: load, prepare, train (no progress reports cross the process border)."""
+    torch.set_num_threads(threads)
+    base, tok, family = load_pretrained(model, device)
+    prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
+    return _one_run(base, tok, prepared, cfg, lr, seed, run_dir, device, resume, None)
+
+
+def _parallel(model, task, files, cfg, plan, device, resume) -> list[dict]:
+    """The runs of `plan` in cfg.jobs spawned processes: CUDA devices dealt out round-robin, CPU threads split."""
+    n = min(cfg.jobs, len(plan))
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    threads = max(1, torch.get_num_threads() // (1 if gpus else n))
+    with ProcessPoolExecutor(n, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(_job, str(model), task, files, cfg, lr, seed, sub,
+                               f"cuda:{i % gpus}" if gpus else str(device), resume, threads)
+                   for i, (lr, seed, sub) in enumerate(plan)]
+        return [f.result() for f in futures]
+
+
 def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *, data=None, train_file=None,
              dev_file=None, text_column: str = "text", pair_column: str | None = None, label_column: str = "label",
              device: str | None = None, resume: bool = False, on_start=None, on_log=None) -> dict:
@@ -162,10 +190,8 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
     cfg = (config or FinetuneConfig()).resolved(family, kind)
     files = dict(data=data, train_file=train_file, dev_file=dev_file)
     if kind is None:
-        prepared = sentence_tasks.prepare(task, tok, family, cfg, base.config.block_size, text_column=text_column,
-                                          pair_column=pair_column, label_column=label_column, **files)
-    else:
-        prepared = token_tasks.prepare(task, tok, family, cfg, base.config.block_size, **files)
+        files.update(text_column=text_column, pair_column=pair_column, label_column=label_column)
+    prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
     lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
     info = {"model": str(model), "family": family, "device": str(dev), **prepared["info"],
             "metric": prepared["metrics"][0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared["train"], cfg)[1],
@@ -174,11 +200,12 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
         on_start(info)
     run_dir = Path(run_dir)
     single = len(lrs) == 1 and cfg.seeds == 1
-    runs_ = []
-    for lr in lrs:
-        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            sub = run_dir if single else run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}")
-            runs_.append(_one_run(base, tok, prepared, cfg, lr, seed, sub, dev, resume, on_log))
+    plan = [(lr, seed, run_dir if single else run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}"))
+            for lr in lrs for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
+    if cfg.jobs > 1 and len(plan) > 1:
+        runs_ = _parallel(model, task, files, cfg, plan, dev, resume)
+    else:
+        runs_ = [_one_run(base, tok, prepared, cfg, lr, seed, sub, dev, resume, on_log) for lr, seed, sub in plan]
     results = {**info, **summarize(runs_, info["metric"], cfg.select)}
     if not single:
         best = run_dir / results["best"]["run"] / "best"
