@@ -290,3 +290,31 @@ def test_max_context_table_is_the_plain_rule():
         owner = max_context_table(spans, n)
         assert all(max_context(spans, owner[p], p) for p in range(n))
         assert all(max_context(spans, i, p) == (owner[p] == i) for i in range(len(spans)) for p in range(n))
+
+
+def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_dir, tmp_path):
+    """Our predict() and transformers' pipeline("token-classification", aggregation_strategy="first") on the same
+    exported tagger give the same entities (type, character span, score) on 250 texts: CoNLL sentences and text
+    with punctuation. (The head is a seeded random layer: the tags are arbitrary, which exercises the grouping
+    rules on many more entities than a trained model would produce.)"""
+    from duolm.checkpoint import save
+    base, tok = load(tiny_bert_dir)
+    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "I-MISC"]
+    torch.manual_seed(3)
+    model = attach_head(base, HeadConfig("tag", labels)).eval()
+    with torch.no_grad():
+        model.fc.weight.mul_(50)                               # confident, varied tags from a random layer
+    out = save(model, tmp_path / "hf", tokenizer=tok, format="hf")
+    pipe = transformers.pipeline("token-classification", model=str(out), aggregation_strategy="first", device="cpu")
+    texts = [" ".join(s.words) for s in read_conll(data_dir / "conll2003" / "eng.testa")[:240]]
+    texts += ["Angela Merkel visited Paris-Nord on Monday.", "U.S. stocks (NYSE: IBM) fell 3.5%!", "Dr. Smith's cat.",
+              "Café Müller, Zürich.", "x", "New York-based Acme Corp. hired O'Neil", "  spaced   out  ",
+              "Ünïcödé naïve façade", "e-mail: a@b.com", "1,000,000 people"]
+    ours = predict(model, tok, texts)
+    ref = pipe(texts, batch_size=16)
+    n = 0
+    for text, a, b in zip(texts, ours, ref):
+        assert [(e["type"], e["start"], e["end"]) for e in a] == [(e["entity_group"], e["start"], e["end"]) for e in b], text
+        assert [e["score"] for e in a] == pytest.approx([float(e["score"]) for e in b], abs=1e-5)
+        n += len(a)
+    assert n > 500
