@@ -36,16 +36,7 @@ def minilm():
     return load(minilm_dir())
 
 
-@pytest.fixture
-def one_thread():
-    # small matmuls gain nothing from a second thread, and lose a lot when the CPU is shared
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def glue_rows(data_dir, task, n, dev_fraction=0.0):
+def glue_rows(data_dir, task, n):
     data = load_glue(task, data_dir / "glue" / {"sst2": "SST-2", "stsb": "STS-B", "mrpc": "MRPC", "cola": "CoLA",
                                                  "rte": "RTE"}[task], splits=("train",))
     return data, data.train[:n]

@@ -15,7 +15,7 @@ from duolm.data.token_tasks import (IGNORE, SpanFeatures, collate_spans, collate
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.train import TrainConfig, lr_at, train
 from duolm.train.token_tasks import token_objective
-from test_finetune import _reference_losses, minilm_dir, one_thread  # noqa: F401
+from test_finetune import _reference_losses, minilm_dir
 
 transformers = pytest.importorskip("transformers")
 

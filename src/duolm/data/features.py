@@ -122,6 +122,17 @@ def _encode_gpt(examples, tok: ByteLevelBPE, max_length: int, both_orders: bool)
 
 # --- padded batches --------------------------------------------------------------------------------
 
+def pad(seqs: Sequence[Sequence[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of ids right-padded with `value` to the longest -> (ids (B, T), mask (B, T): 1 = real, 0 = padding)."""
+    T = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), T), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, :len(x)] = torch.tensor(x)
+        mask[b, :len(x)] = 1
+    return ids, mask
+
+
 def collate(features: Features, rows: Sequence[int]) -> dict[str, torch.Tensor]:
     """Rows of `features` padded to their longest (right padding).
 
@@ -131,17 +142,10 @@ def collate(features: Features, rows: Sequence[int]) -> dict[str, torch.Tensor]:
     seqs = [features.ids[i] for i in rows]
     S = 2 if seqs and isinstance(seqs[0], tuple) else 1
     flat = [s for r in seqs for s in (r if S == 2 else (r,))]
-    T = max(len(s) for s in flat)
-    idx = torch.full((len(flat), T), features.pad_id, dtype=torch.long)
-    real = torch.zeros((len(flat), T), dtype=torch.long)
-    for i, s in enumerate(flat):
-        idx[i, :len(s)] = torch.tensor(s)
-        real[i, :len(s)] = 1
+    idx, real = pad(flat, features.pad_id)
+    T = idx.shape[1]
     if features.family == "bert":
-        seg = torch.zeros_like(idx)
-        for i, r in enumerate(rows):
-            seg[i, :len(features.segment_ids[r])] = torch.tensor(features.segment_ids[r])
-        batch = {"idx": idx, "segment_ids": seg, "attention_mask": real}
+        batch = {"idx": idx, "segment_ids": pad([features.segment_ids[r] for r in rows], 0)[0], "attention_mask": real}
     else:
         n = real.sum(1)
         y = torch.where(real[:, 1:].bool(), idx[:, 1:], IGNORE)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from duolm.data.features import pad
 from duolm.data.tasks import Question, Sentence
 from duolm.tokenizers import WordPiece
 
@@ -114,16 +115,9 @@ def _flat(words):
 
 def collate_tags(features: TagFeatures, rows) -> dict[str, torch.Tensor]:
     """idx, segment_ids, attention_mask, labels (B, T), padded to the longest row (labels with IGNORE)."""
-    T = max(len(features.ids[i]) for i in rows)
-    idx = torch.full((len(rows), T), features.pad_id, dtype=torch.long)
-    lab = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for b, i in enumerate(rows):
-        n = len(features.ids[i])
-        idx[b, :n] = torch.tensor(features.ids[i])
-        lab[b, :n] = torch.tensor(features.labels[i])
-        mask[b, :n] = 1
-    return {"idx": idx, "segment_ids": torch.zeros_like(idx), "attention_mask": mask, "labels": lab}
+    idx, mask = pad([features.ids[i] for i in rows], features.pad_id)
+    labels = pad([features.labels[i] for i in rows], IGNORE)[0]
+    return {"idx": idx, "segment_ids": torch.zeros_like(idx), "attention_mask": mask, "labels": labels}
 
 
 # --- span QA --------------------------------------------------------------------------------------------
@@ -227,16 +221,9 @@ def span_features(questions: list[Question], tok: WordPiece, max_length: int = 3
 
 
 def collate_spans(features: SpanFeatures, rows) -> dict[str, torch.Tensor]:
-    T = max(len(features.ids[i]) for i in rows)
-    idx = torch.full((len(rows), T), features.pad_id, dtype=torch.long)
-    seg = torch.zeros((len(rows), T), dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for b, i in enumerate(rows):
-        n = len(features.ids[i])
-        idx[b, :n] = torch.tensor(features.ids[i])
-        seg[b, :n] = torch.tensor(features.segment_ids[i])
-        mask[b, :n] = 1
-    return {"idx": idx, "segment_ids": seg, "attention_mask": mask,
+    """idx, segment_ids, attention_mask (B, T) padded to the longest window; start, end (B,) the answer's pieces."""
+    idx, mask = pad([features.ids[i] for i in rows], features.pad_id)
+    return {"idx": idx, "segment_ids": pad([features.segment_ids[i] for i in rows], 0)[0], "attention_mask": mask,
             "start": torch.tensor([features.start[i] for i in rows]), "end": torch.tensor([features.end[i] for i in rows])}
 
 
