@@ -65,24 +65,6 @@ def _crc_plain(c: int, data) -> int:
 _ONE_BYTE = np.array([_T8_LIST[(1 << b) & 0xFF] ^ ((1 << b) >> 8) for b in range(32)], dtype=np.uint32)
 
 
-def _apply(op: np.ndarray, v: np.ndarray) -> np.ndarray:
-    out = np.zeros_like(v)
-    for b in range(32):
-        out ^= np.where((v >> np.uint32(b)) & np.uint32(1), op[b], np.uint32(0)).astype(np.uint32)
-    return out
-
-
-def _zeros_op(n: int) -> np.ndarray:
-    """The operator that feeds n zero bytes (square and multiply)."""
-    result, power = None, _ONE_BYTE
-    while n:
-        if n & 1:
-            result = power if result is None else _apply(power, result)
-        power = _apply(power, power)
-        n >>= 1
-    return np.array([1 << b for b in range(32)], dtype=np.uint32) if result is None else result
-
-
 def _span(cols) -> np.ndarray:
     """All XOR combinations of `cols`, indexed by the bits of the index (a lookup table)."""
     t = np.zeros(1, dtype=np.uint32)
@@ -91,10 +73,31 @@ def _span(cols) -> np.ndarray:
     return t
 
 
+def _tables(op: np.ndarray) -> list:
+    return [_span(op[8 * k:8 * k + 8]) for k in range(4)]
+
+
+def _apply(tables, v: np.ndarray) -> np.ndarray:
+    """An operator applied to each register in v, by one 256-entry table per byte (see _tables)."""
+    return tables[0][v & 0xFF] ^ tables[1][(v >> 8) & 0xFF] ^ tables[2][(v >> 16) & 0xFF] ^ tables[3][v >> 24]
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(n: int) -> list:
+    """Tables of the operator that feeds n zero bytes (square and multiply)."""
+    result, power = np.array([1 << b for b in range(32)], dtype=np.uint32), _ONE_BYTE
+    while n:
+        if n & 1:
+            result = _apply(_tables(power), result)
+        power = _apply(_tables(power), power)
+        n >>= 1
+    return _tables(result)
+
+
 @functools.cache
 def _word_tables():
     # One 4-byte step is crc' = Z4(crc ^ word) with Z4 = feed 4 zero bytes, looked up in two halves.
-    z4 = _zeros_op(4)
+    z4 = _apply(_zeros(4), np.array([1 << b for b in range(32)], dtype=np.uint32))
     return _span(z4[:16]), _span(z4[16:])
 
 
@@ -104,8 +107,8 @@ def _crc_raw(c: int, data) -> int:
     with crc(A + B) = Z_len(B)(crc(A)) ^ crc(B) (crc(B) started from 0), as zlib's crc32_combine."""
     data = memoryview(data).cast("B")
     n_words = len(data) // 4
-    lanes = 1 << min(14, max(0, (n_words // 32).bit_length() - 1))   # a power of two, each >= 32 words
-    if lanes < 8:
+    lanes = 1 << min(14, max(0, (n_words // 8).bit_length() - 1))   # a power of two, each >= 8 words
+    if lanes < 16:
         return _crc_plain(c, data)
     L = n_words // lanes
     words = np.frombuffer(data[:lanes * L * 4], dtype="<u4").reshape(lanes, L)
@@ -122,10 +125,10 @@ def _crc_raw(c: int, data) -> int:
             np.take(lo, i_lo, out=reg)
             np.take(hi, i_hi, out=part)
             np.bitwise_xor(reg, part, out=reg)
-    op = _zeros_op(4 * L)
-    while len(reg) > 1:
-        reg = _apply(op, reg[0::2]) ^ reg[1::2]
-        op = _apply(op, op)
+    span = 4 * L
+    while len(reg) > 1:   # join neighbouring lanes; each joined lane is twice as long
+        reg = _apply(_zeros(span), reg[0::2]) ^ reg[1::2]
+        span *= 2
     return _crc_raw(int(reg[0]), data[lanes * L * 4:])
 
 
@@ -456,9 +459,12 @@ def _convert(ckpt: Checkpoint, table: dict, n_layer: int, expected: dict, where:
         part = (shape[0] // len(group), *shape[1:])   # fused q, k, v: three equal row blocks
         parts = []
         for name in group:
-            have, need = ckpt.entries[name].shape, _layout(name, part)
-            if have != need:
-                raise ValueError(f"{where}: tensor {name!r} has shape {list(have)}; the config needs {list(need)}")
+            e = ckpt.entries[name]
+            if e.dtype.kind != "f":
+                raise ValueError(f"{where}: tensor {name!r} has dtype {e.dtype.name}; weights are floating point")
+            if e.shape != _layout(name, part):
+                raise ValueError(f"{where}: tensor {name!r} has shape {list(e.shape)}; the config needs "
+                                 f"{list(_layout(name, part))}")
             a = ckpt[name]
             a = a[0].T if name.endswith("/w") else a.T if name.endswith("/kernel") else a
             parts.append(torch.from_numpy(a))
@@ -512,6 +518,16 @@ def gpt2_config_from_hparams(d: dict) -> GPT2Config:
     return GPT2Config(**{HPARAMS[k]: v for k, v in d.items()})
 
 
+def _expected(model_cls, config, config_file: Path) -> dict:
+    """Our state dict's shapes for `config` (a model on the meta device: nothing allocated)."""
+    if any(type(v) is not int for k, v in vars(config).items() if k not in ("dropout", "layer_norm_eps")):
+        raise ValueError(f"{config_file}: sizes must be integers: {config}")
+    try:
+        return _meta_state(model_cls, config)
+    except (RuntimeError, OverflowError) as e:   # e.g. a size whose tensors could not exist
+        raise ValueError(f"{config_file}: impossible sizes {config} ({e})") from None
+
+
 def gpt2_from_tf(directory) -> tuple[GPT2Config, dict]:
     """OpenAI's release folder (hparams.json + model.ckpt.*) -> (GPT2Config, our state dict)."""
     d = Path(directory)
@@ -522,7 +538,8 @@ def gpt2_from_tf(directory) -> tuple[GPT2Config, dict]:
     prefix = find_prefix(d)
     ckpt = read_checkpoint(prefix)
     _n_layer(ckpt, r"model/h(\d+)/", "hparams.json", config.n_layer, f"{prefix}.index")
-    sd = _convert(ckpt, GPT2_TF_TABLE, config.n_layer, _meta_state(GPT2, config), f"{prefix}.index")
+    expected = _expected(GPT2, config, d / "hparams.json")
+    sd = _convert(ckpt, GPT2_TF_TABLE, config.n_layer, expected, f"{prefix}.index")
     return config, sd
 
 
@@ -541,7 +558,7 @@ def bert_from_tf(directory) -> tuple[BertConfig, dict, bool]:
     heads = any(n.startswith("cls/") for n in ckpt)
     if heads:
         table = {**{"bert." + k: v for k, v in BERT_TF_TABLE.items()}, **BERT_TF_HEADS_TABLE}
-        expected = _meta_state(BertForPreTraining, config)
+        expected = _expected(BertForPreTraining, config, d / "bert_config.json")
     else:
-        table, expected = BERT_TF_TABLE, _meta_state(Bert, config)
+        table, expected = BERT_TF_TABLE, _expected(Bert, config, d / "bert_config.json")
     return config, _convert(ckpt, table, config.n_layer, expected, f"{prefix}.index"), heads
