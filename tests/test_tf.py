@@ -6,7 +6,6 @@ and shapes; make_fixtures.py there says how. TensorFlow is not needed here."""
 import json
 import shutil
 import time
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -16,14 +15,10 @@ import torch
 import duolm
 from duolm.convert import tf
 from duolm.models import Bert, BertForPreTraining, GPT2
+from tf_bundle import mask as _mask, write_bundle
 
 FIX = Path(__file__).resolve().parent / "fixtures" / "tf"
 ATOL = 1e-5
-
-
-def _mask(crc: int) -> int:
-    """TF's crc32c::Mask (lib/hash/crc32c.h): rotate right by 15 bits and add a constant."""
-    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 @pytest.fixture
@@ -195,27 +190,10 @@ def test_convert_to_hf_loads_in_transformers(tmp_path):
     np.testing.assert_allclose(out.prediction_logits.numpy()[keep], exp["mlm_logits"][keep], atol=ATOL)
 
 
-# --- a small bundle writer, to make checkpoints TensorFlow did not (name-table errors) -----------
-
-def _varint(n: int) -> bytes:
-    out = b""
-    while True:
-        out += bytes([(n & 0x7F) | (0x80 if n > 0x7F else 0)])
-        n >>= 7
-        if not n:
-            return out
-
-
-def _field(num: int, value) -> bytes:
-    if isinstance(value, bytes):
-        return _varint(num << 3 | 2) + _varint(len(value)) + value
-    return _varint(num << 3) + _varint(value)
-
+# --- checkpoints TensorFlow did not write (tests/tf_bundle.py) -------------------------------------
 
 def _rewrite(prefix: Path, tensors: dict) -> Path:
-    """Write `tensors` (name -> array) as a one-shard bundle in a new folder beside prefix's, with the
-    same config and vocabulary files. One data block, no prefix compression: valid, if not TF's own
-    block sizes."""
+    """`tensors` as a one-shard bundle in a new folder beside prefix's, with its config and vocab files."""
     src = prefix.parent
     out = src.parent / (src.name + "-rewritten")
     shutil.rmtree(out, ignore_errors=True)
@@ -223,30 +201,7 @@ def _rewrite(prefix: Path, tensors: dict) -> Path:
     for f in src.iterdir():
         if f.suffix == ".json" or f.name == "vocab.txt":
             shutil.copy(f, out / f.name)
-    codes = {np.dtype(v): k for k, v in tf.DTYPES.items()}
-    data, entries = b"", [(b"", _field(1, 1))]     # the header: num_shards = 1
-    for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        raw = a.tobytes()
-        shape = b"".join(_field(2, _field(1, d)) for d in a.shape)
-        entries.append((name.encode(), _field(1, codes[a.dtype])
-                        + _field(2, shape) + _field(4, len(data)) + _field(5, len(raw))
-                        + _varint(6 << 3 | 5) + _mask(tf.crc32c(raw)).to_bytes(4, "little")))
-        data += raw
-    (out / f"{prefix.name}.data-00000-of-00001").write_bytes(data)
-
-    def block(items) -> bytes:
-        body = b"".join(_varint(0) + _varint(len(k)) + _varint(len(v)) + k + v for k, v in items)
-        body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")   # one restart point at 0
-        return body + b"\x00" + _mask(tf.crc32c(body + b"\x00")).to_bytes(4, "little")
-
-    data_block = block(entries)
-    index_block = block([(entries[-1][0] + b"\xff", _varint(0) + _varint(len(data_block) - 5))])
-    meta = block([])
-    handles = (_varint(len(data_block)) + _varint(len(meta) - 5)
-               + _varint(len(data_block) + len(meta)) + _varint(len(index_block) - 5))
-    footer = handles.ljust(40, b"\x00") + (0xDB4775248B80FB57).to_bytes(8, "little")
-    (out / f"{prefix.name}.index").write_bytes(data_block + meta + index_block + footer)
+    write_bundle(out / prefix.name, tensors)
     return out
 
 
@@ -284,7 +239,10 @@ def test_shapes_and_dtypes_are_checked_against_the_config(copy):
     with pytest.raises(ValueError, match=r"holds 2 layers, but hparams.json says 3"):
         tf.gpt2_from_tf(d)
     (d / "hparams.json").write_text(json.dumps({**hp, "n_ctx": 1.5}))
-    with pytest.raises(ValueError, match=r"hparams.json: expected exactly the integer keys"):
+    with pytest.raises(ValueError, match=r"hparams.json: block_size=1.5 must be an integer"):
+        tf.gpt2_from_tf(d)
+    (d / "hparams.json").write_text(json.dumps({**hp, "n_positions": 16}))
+    with pytest.raises(ValueError, match=r"hparams.json: expected exactly the keys"):
         tf.gpt2_from_tf(d)
     ckpt = tf.read_checkpoint(d / "model.ckpt")
     (d / "hparams.json").write_text(json.dumps(hp))
@@ -313,7 +271,7 @@ def test_bert_config_errors_name_the_file(copy):
 def test_index_without_data(copy):
     d = copy("gpt2")
     (d / "model.ckpt.data-00000-of-00001").unlink()
-    with pytest.raises(FileNotFoundError, match=r"model\.ckpt\.data-00000-of-00001: missing .*'model/h0/attn/c_attn/b'"):
+    with pytest.raises(FileNotFoundError, match=r"model\.ckpt\.data-00000-of-00001: missing .*'model/h0/attn/"):
         tf.read_checkpoint(d / "model.ckpt")
 
 
