@@ -21,6 +21,12 @@ FIX = Path(__file__).resolve().parent / "fixtures" / "tf"
 ATOL = 1e-5
 
 
+def _flip(file: Path, pos: int):
+    raw = bytearray(file.read_bytes())
+    raw[pos] ^= 0x10
+    file.write_bytes(raw)
+
+
 @pytest.fixture
 def copy(tmp_path):
     def make(name):
@@ -87,10 +93,7 @@ def test_tensors_are_read_lazily_from_a_memory_map(copy):
     d = copy("gpt2")
     ckpt = tf.read_checkpoint(d / "model.ckpt")
     e = ckpt.entries["model/h1/mlp/c_fc/w"]
-    data = d / "model.ckpt.data-00000-of-00001"
-    raw = bytearray(data.read_bytes())
-    raw[e.offset + 5] ^= 0xFF             # damage one tensor after the index was read
-    data.write_bytes(raw)
+    _flip(d / "model.ckpt.data-00000-of-00001", e.offset + 5)   # damage one tensor after the index was read
     ckpt = tf.read_checkpoint(d / "model.ckpt")   # opening reads no tensor data
     assert isinstance(ckpt["model/wte"].base, np.memmap)
     with pytest.raises(ValueError, match=r"model\.ckpt\.data-00000-of-00001: tensor 'model/h1/mlp/c_fc/w': checksum"):
@@ -290,19 +293,14 @@ def test_bad_tensor_checksum(copy):
     name = "bert/encoder/layer_1/output/dense/kernel"
     e = ckpt.entries[name]
     f = d / f"bert_model.ckpt.data-0000{e.shard}-of-00003"
-    raw = bytearray(f.read_bytes())
-    raw[e.offset + e.size - 1] ^= 0x01   # one bit of the last byte
-    f.write_bytes(raw)
+    _flip(f, e.offset + e.size - 1)   # one bit of the tensor's last byte
     with pytest.raises(ValueError, match=rf"{f.name}: tensor '{name}': checksum mismatch"):
         tf.bert_from_tf(d)
 
 
 def test_bad_index_block_checksum(copy):
     d = copy("gpt2")
-    f = d / "model.ckpt.index"
-    raw = bytearray(f.read_bytes())
-    raw[20] ^= 0x10
-    f.write_bytes(raw)
+    _flip(d / "model.ckpt.index", 20)
     with pytest.raises(ValueError, match=r"model\.ckpt\.index: block at offset 0: checksum mismatch"):
         tf.gpt2_from_tf(d)
 
