@@ -2,13 +2,15 @@
 import json
 import random
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from duolm.tokenizers import ByteLevelBPE
-from duolm.tokenizers import bpe
-from duolm.tokenizers.bpe import GPT2_PATTERN, bpe_merge, learn_merges, merge_word, split_pieces
+from duolm.tokenizers import bpe, pieces
+from duolm.tokenizers.bpe import bpe_merge, bpe_merge_long, learn_merges, merge_word
+from duolm.tokenizers.pieces import GPT2_PATTERN, pre_split, safe_chunks, split_pieces
 
 tiktoken = pytest.importorskip("tiktoken")
 hf = pytest.importorskip("tokenizers")
@@ -70,7 +72,7 @@ def text_files(data_dir):
     return out
 
 
-# --- the merge step, worked ----------------------------------------------------------------------
+# --- the plain algorithm, worked --------------------------------------------------------------------
 
 def test_worked_example_aaabdaaabac():
     # SPEC: "aaabdaaabac" -> "ZabdZabac" (aa -> Z) -> "ZYdZYac" (ab -> Y); then ZY -> X gives "XdXac".
@@ -80,16 +82,102 @@ def test_worked_example_aaabdaaabac():
     w = merge_word([a, a, a, b, d, a, a, a, b, a, c], (a, a), Z)
     assert w == [Z, a, b, d, Z, a, b, a, c]
     assert merge_word(w, (a, b), Y) == [Z, Y, d, Z, Y, a, c]
+    # bpe_merge's docstring: each rank level in turn (the ranks up to a level give the state after it)
     ranks = {b"aa": 0, b"ab": 1, b"aaab": 2}
-    assert bpe_merge(b"aaabdaaabac", ranks) == [b"aaab", b"d", b"aaab", b"a", b"c"]
+    piece = b"aaabdaaabac"
+    assert bpe_merge(piece, {}) == list(b"a a a b d a a a b a c".split())
+    assert bpe_merge(piece, {b"aa": 0}) == b"aa a b d aa a b a c".split()
+    assert bpe_merge(piece, {b"aa": 0, b"ab": 1}) == b"aa ab d aa ab a c".split()
+    assert bpe_merge(piece, ranks) == b"aaab d aaab a c".split() == bpe_merge_long(piece, ranks)
     assert bpe.bytes_to_unicode()[ord(" ")] == "Ġ" and len(set(bpe.bytes_to_unicode().values())) == 256
 
 
-def test_long_merge_equals_short_merge(gpt2):
+def test_pre_split_worked_example():
+    assert pre_split("I'm   fine, 2024!\n") == ["I", "'m", "  ", " fine", ",", " 2024", "!", "\n"]
+    assert safe_chunks("one\ntwo\n  three\n four", 3) == ["one\n", "two\n  three\n", " four"]
+
+
+# --- each fast path against the plain function it replaces ---------------------------------------------
+
+@st.composite
+def rank_tables(draw):
+    """A piece over a 1-3 letter alphabet and random distinct ranks for random tokens over it: longer
+    tokens may rank below their parts, which no learned vocabulary does (the merge's heap path)."""
+    alphabet = draw(st.sampled_from([b"a", b"ab", b"abc", b"a\xc3"]))
+    tokens = draw(st.lists(st.binary(min_size=2, max_size=6).map(lambda t: bytes(alphabet[x % len(alphabet)] for x in t)),
+                           max_size=40, unique=True))
+    order = draw(st.permutations(tokens))
+    piece = draw(st.lists(st.sampled_from(alphabet), max_size=300).map(bytes))
+    return piece, {t: r for r, t in enumerate(order)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(rank_tables())
+def test_long_merge_equals_plain_merge_random_ranks(case):
+    piece, ranks = case
+    assert bpe_merge_long(piece, ranks) == bpe_merge(piece, ranks)
+
+
+def test_long_merge_equals_plain_merge_on_long_pieces(gpt2, data_dir):
     rng = random.Random(0)
-    for _ in range(300):
-        piece = "".join(rng.choice("aab cdeé\u4e00") for _ in range(rng.randint(2, 60))).encode()
-        assert bpe._bpe_merge_long(piece, gpt2._ranks) == bpe_merge(piece, gpt2._ranks)
+    text = (data_dir / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    french = (data_dir / "wmt14" / "newstest2014-fren.fr.txt").read_text(encoding="utf-8")
+    real = []  # real text without whitespace: long pieces of every kind of content
+    for source in (text, french):
+        squeezed = "".join(source[:200_000].split()).encode()
+        for _ in range(20):
+            s = rng.randrange(len(squeezed) - 2000)
+            real.append(squeezed[s:s + rng.randrange(65, 2000)])
+    repetitive = [b"a" * 5000, b"=" * 999, b"-" * 1001, b"ab" * 777, "ÃĥÃĤ".encode() * 300, "日本語".encode() * 200,
+                  b" " + b"a" * 3001, b"\xff\xfe" * 500, bytes(rng.choice(b"ab") for _ in range(3000))]
+    trained = ByteLevelBPE.train([text[:100_000]], 1000)._ranks
+    for piece in real + repetitive:
+        for ranks in (gpt2._ranks, trained):
+            assert bpe_merge_long(piece, ranks) == bpe_merge(piece, ranks), piece[:40]
+
+
+def test_fast_split_equals_plain_split_on_real_data(data_dir):
+    for path, text in text_files(data_dir):
+        text = text[:200_000]
+        assert split_pieces(text) == pre_split(text), path
+
+
+def test_encode_equals_plain_composition_on_real_data(data_dir, gpt2):
+    """encode_ordinary (fast split, piece cache, long-piece merge) = pre_split, then bpe_merge per piece."""
+    ranks, encoder = gpt2._ranks, gpt2._encoder
+    for name in ("wikitext-2/test.txt", "tinyshakespeare/input.txt", "wmt14/newstest2014-fren.fr.txt"):
+        text = (data_dir / name).read_text(encoding="utf-8")[:50_000] + "=" * 200 + " ab" * 30
+        plain = [encoder[t] for p in pre_split(text) for t in bpe_merge(p.encode(), ranks)]
+        assert gpt2.encode_ordinary(text) == plain, name
+
+
+def plain_learn_merges(word_counts, num_merges, min_frequency):
+    """learn_merges without incremental counts: count every pair, merge the best everywhere, repeat."""
+    tokens = list(bpe._BASE_TOKENS)
+    byte_id = {t[0]: i for i, t in enumerate(tokens)}
+    words = [([byte_id[b] for b in w], c) for w, c in word_counts.items()]
+    merges = []
+    while len(merges) < num_merges:
+        counts = Counter()
+        for w, c in words:
+            for p in zip(w, w[1:]):
+                counts[p] += c
+        new = [(-c, p) for p, c in counts.items() if tokens[p[0]] + tokens[p[1]] not in tokens]
+        if not new or -min(new)[0] < min_frequency:
+            return merges
+        pair = min(new)[1]
+        merges.append((tokens[pair[0]], tokens[pair[1]]))
+        tokens.append(tokens[pair[0]] + tokens[pair[1]])
+        words = [(merge_word(w, pair, len(tokens) - 1), c) for w, c in words]
+    return merges
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.lists(st.sampled_from(b"abc\xc3"), min_size=1, max_size=12).map(bytes),
+                       st.integers(1, 5), max_size=12), st.integers(0, 30), st.integers(1, 3))
+def test_incremental_training_equals_plain_training(word_counts, num_merges, min_frequency):
+    assert learn_merges(word_counts, num_merges, min_frequency) == plain_learn_merges(word_counts, num_merges,
+                                                                                      min_frequency)
 
 
 def test_min_frequency_and_determinism():
@@ -140,13 +228,13 @@ def test_random_unicode(gpt2, ref_tiktoken, ref_hf, text):
                                  "\u00a0", "\u3000", "\x1c", "\x00", "\u0558", "\U0003d000"]), max_size=60).map("".join))
 def test_fast_split_equals_the_pattern(text):
     # split_pieces runs stdlib `re` on ASCII stretches cut at safe newlines: the same pieces as GPT-2's pattern
-    assert split_pieces(text) == bpe._PAT.findall(text)
+    assert split_pieces(text) == pre_split(text)
 
 
 def test_code_points_in_every_category(gpt2, ref_tiktoken, ref_hf):
     # `regex` knows a newer Unicode than the references; code points they do not know must split as they do.
-    # (A scan of all 1.1M code points this way found exactly the ranges in bpe._NEWER_UNICODE; here a sample.)
-    newer = [int(h, 16) for r in bpe._NEWER_UNICODE.split() for h in r.split("-")]
+    # (A scan of all 1.1M code points this way found exactly the ranges in pieces._NEWER_UNICODE; here a sample.)
+    newer = [int(h, 16) for r in pieces._NEWER_UNICODE.split() for h in r.split("-")]
     for i, cp in enumerate(sorted({*range(0, 0x110000, 23), *newer, *(c + 1 for c in newer)} - {*range(0xD800, 0xE000)})):
         c = chr(cp)
         text = f"a{c}1 {c}{c}'s {c}1 !{c}\n"
@@ -289,7 +377,7 @@ def test_corrupt_files(tmp_path, data_dir):
 
     bad = tmp_path / "truncated.json"
     bad.write_text(enc[: len(enc) // 2], encoding="utf-8")
-    with pytest.raises(ValueError, match=r"truncated\.json: line \d+"):
+    with pytest.raises(ValueError, match=r"truncated\.json: not valid JSON .*line \d+"):
         ByteLevelBPE.from_files(bad, good_merges)
 
     lines = merges.splitlines(keepends=True)
