@@ -47,7 +47,7 @@ def bench_bpe(text, rounds):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from duolm.tokenizers import ByteLevelBPE
-    from duolm.tokenizers.bpe import GPT2_PATTERN
+    from duolm.tokenizers.pieces import GPT2_PATTERN
 
     ours = ByteLevelBPE.from_tiktoken(DATA / "gpt2" / "gpt2.tiktoken")
     tik = tiktoken.Encoding("gpt2", pat_str=GPT2_PATTERN, special_tokens={"<|endoftext|>": 50256},

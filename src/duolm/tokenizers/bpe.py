@@ -1,4 +1,4 @@
-"""Byte-level BPE, GPT-2's tokenizer: the merge, training, encode/decode, and the GPT-2 / HF / tiktoken files.
+"""Byte-level BPE, GPT-2's tokenizer: the merge, training, encode and decode (its files: files.py).
 
 Text is first split into pieces by GPT-2's pattern (pieces.py), so merges never cross character
 categories. Each piece is encoded as UTF-8 bytes and merged with tiktoken's rule: repeatedly join the
@@ -6,52 +6,25 @@ adjacent pair whose joined bytes have the lowest rank (leftmost on ties). For a 
 the rank of a token is the order of the merge that made it, so this is the same as applying the merges
 in order (as HF `tokenizers` does).
 
-Reading order: the plain merge and training, the fast merge for long pieces, the tokenizer, its files.
+Reading order: the plain merge and training, the fast merge for long pieces, then the tokenizer.
 Each fast path is checked against the plain function it replaces in tests/test_bpe.py.
 """
 from __future__ import annotations
 
-import base64
 import heapq
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Iterable
 
 import regex
 
-from duolm.fileio import atomic_write, read_json
-
+from .files import (BYTE_TO_CHAR, ENDOFTEXT, SPECIALS_FILE, read_bpe, read_special_tokens, read_tiktoken, token_str,
+                    write_bpe)
 from .pieces import safe_chunks, split_pieces
 
-ENDOFTEXT = "<|endoftext|>"
-SPECIALS_FILE = "special_tokens.json"
-MAX_ID = 1 << 24  # token ids read from files must be below this (the largest published vocabularies hold ~260k)
 _CACHE_SIZE = 200_000  # pieces remembered by encode; the cache is emptied when it grows past this
 _LONG_PIECE = 64  # pieces with more bytes than this go to bpe_merge_long (faster from about here on)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from the 256 byte values to printable characters (how vocab.json / merges.txt spell bytes).
-
-    Printable latin-1 bytes map to themselves; the other 68 (control chars, space, ...) to chr(256 + i).
-    Its order is also the order of GPT-2's first 256 token ids."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + len(cs) - 188)  # 188 printable bytes come first
-    return dict(zip(bs, map(chr, cs)))
-
-
-_BYTE_TO_CHAR = bytes_to_unicode()
-_CHAR_TO_BYTE = {c: b for b, c in _BYTE_TO_CHAR.items()}
-_BASE_TOKENS = [bytes([b]) for b in _BYTE_TO_CHAR]  # id i of a trained vocabulary is byte _BASE_TOKENS[i]
-
-
-def _to_str(token: bytes) -> str:
-    return "".join(_BYTE_TO_CHAR[b] for b in token)
+_BASE_TOKENS = [bytes([b]) for b in BYTE_TO_CHAR]  # id i of a trained vocabulary is byte _BASE_TOKENS[i]
 
 
 # --- the plain algorithm ------------------------------------------------------------------------------
@@ -396,120 +369,38 @@ class ByteLevelBPE:
         """Text of `ids`; bytes that are not valid UTF-8 (a token sequence cut mid-character) become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
-    # --- files ---
+    # --- files (files.py reads and writes them) ---
 
     @classmethod
     def from_files(cls, vocab_json, merges_txt, special_tokens: dict[str, int] | None = None) -> "ByteLevelBPE":
         """Load HF `vocab.json` + `merges.txt` (or OpenAI's `encoder.json` + `vocab.bpe`: the same format).
         `special_tokens` defaults to `<|endoftext|>` with its id in the vocab, if it is there."""
-        vocab_json, merges_txt = Path(vocab_json), Path(merges_txt)
-        vocab = read_json(vocab_json, "byte-level BPE vocabulary")
-        if special_tokens is None:
-            special_tokens = {ENDOFTEXT: vocab[ENDOFTEXT]} if ENDOFTEXT in vocab else {}
-        encoder = {}
-        for tok, i in vocab.items():
-            _check_id(i, f"{vocab_json}: token {tok!r}")
-            if tok in special_tokens:
-                if special_tokens[tok] != i:
-                    raise ValueError(f"{vocab_json}: special token {tok!r} has id {i}, not {special_tokens[tok]}")
-                continue
-            try:
-                encoder[bytes(_CHAR_TO_BYTE[c] for c in tok)] = i
-            except KeyError:
-                raise ValueError(f"{vocab_json}: token {tok!r} (id {i}) is not in GPT-2's byte alphabet; pass it "
-                                 "in special_tokens if it is a special token") from None
-        merges, ranks = [], {}
-        with open(merges_txt, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode("utf-8").rstrip("\r\n")
-                except UnicodeDecodeError as e:
-                    raise ValueError(f"{merges_txt}: line {lineno}: not valid UTF-8 ({e.reason}); the file is "
-                                     "corrupt") from None
-                if (lineno == 1 and line.startswith("#version")) or not line:
-                    continue
-                try:
-                    a, b = (bytes(_CHAR_TO_BYTE[c] for c in p) for p in line.split(" "))
-                except (KeyError, ValueError):
-                    raise ValueError(f"{merges_txt}: line {lineno}: expected two tokens in GPT-2's byte alphabet "
-                                     f"separated by one space, got {line[:80]!r}; the file is corrupt") from None
-                if a + b not in encoder or a not in encoder or b not in encoder:
-                    raise ValueError(f"{merges_txt}: line {lineno}: merge {line!r} uses or makes a token that is not "
-                                     f"in {vocab_json}; the files do not belong together")
-                if a + b not in ranks:  # a second merge to the same bytes can never apply
-                    ranks[a + b] = len(ranks)
-                    merges.append((a, b))
-        missing = [bytes([b]) for b in range(256) if bytes([b]) not in encoder]
-        if missing:
-            raise ValueError(f"{vocab_json}: {len(missing)} of the 256 byte tokens are missing, e.g. "
-                             f"{_to_str(missing[0])!r}; the file is truncated or not a byte-level vocab")
-        orphans = [t for t in encoder if len(t) > 1 and t not in ranks]
-        if orphans:
-            raise ValueError(f"{vocab_json}: {len(orphans)} tokens are made by no merge in {merges_txt}, e.g. "
-                             f"{_to_str(orphans[0])!r}; is {merges_txt.name} truncated? (added tokens must be "
-                             "passed in special_tokens)")
-        in_order = all(encoder[t] < encoder[u] for t, u in zip(ranks, list(ranks)[1:]))
-        return cls(encoder, special_tokens, ranks=None if in_order else ranks, merges=merges)
+        encoder, special_tokens, ranks, merges = read_bpe(vocab_json, merges_txt, special_tokens)
+        return cls(encoder, special_tokens, ranks=ranks, merges=merges)
 
     @classmethod
     def from_tiktoken(cls, path, special_tokens: dict[str, int] | None = None) -> "ByteLevelBPE":
         """Load a `.tiktoken` rank file (lines: base64 token, space, rank; the rank is the id).
         `special_tokens` defaults to `<|endoftext|>` right after the last rank (50256 for GPT-2)."""
-        encoder = {}
-        with open(path, "rb") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    tok, rank = line.split()
-                    rank = int(rank)
-                    encoder[base64.b64decode(tok, validate=True)] = rank
-                except ValueError:
-                    raise ValueError(f"{path}: line {lineno}: expected '<base64 token> <rank>', got "
-                                     f"{line[:80]!r}; the file is corrupt or truncated") from None
-                _check_id(rank, f"{path}: line {lineno}")
-        missing = [b for b in range(256) if bytes([b]) not in encoder]
-        if missing:
-            raise ValueError(f"{path}: {len(missing)} of the 256 single-byte tokens are missing (e.g. byte "
-                             f"{missing[0]}); the file is truncated or not a byte-level BPE")
-        if len(set(encoder.values())) != len(encoder):
-            raise ValueError(f"{path}: two tokens share a rank; the file is corrupt")
-        if special_tokens is None:
-            special_tokens = {ENDOFTEXT: max(encoder.values()) + 1}
-        return cls(encoder, special_tokens)
+        encoder = read_tiktoken(path)
+        return cls(encoder, {ENDOFTEXT: max(encoder.values()) + 1} if special_tokens is None else special_tokens)
 
     @classmethod
-    def load(cls, dir) -> "ByteLevelBPE":
+    def load(cls, directory) -> "ByteLevelBPE":
         """Read what `save` wrote: vocab.json + merges.txt (+ special_tokens.json if present)."""
-        dir = Path(dir)
+        d = Path(directory)
         for name in ("vocab.json", "merges.txt"):
-            if not (dir / name).is_file():
-                raise FileNotFoundError(f"{dir / name} not found: a byte-level BPE directory holds vocab.json "
+            if not (d / name).is_file():
+                raise FileNotFoundError(f"{d / name} not found: a byte-level BPE directory holds vocab.json "
                                         "and merges.txt")
-        specials = None
-        if (dir / SPECIALS_FILE).is_file():
-            specials = read_json(dir / SPECIALS_FILE).get("special_tokens")
-            if not isinstance(specials, dict) or not all(isinstance(s, str) for s in specials):
-                raise ValueError(f"{dir / SPECIALS_FILE}: expected {{\"special_tokens\": {{token: id}}}}")
-            for s, i in specials.items():
-                _check_id(i, f"{dir / SPECIALS_FILE}: special token {s!r}")
-        return cls.from_files(dir / "vocab.json", dir / "merges.txt", specials)
+        specials = read_special_tokens(d / SPECIALS_FILE) if (d / SPECIALS_FILE).is_file() else None
+        return cls.from_files(d / "vocab.json", d / "merges.txt", specials)
 
-    def save(self, dir) -> None:
+    def save(self, directory) -> None:
         """Write vocab.json + merges.txt (GPT-2/HF format, loadable by HF `tokenizers` and, as ranks, by
-        tiktoken) and special_tokens.json, each file atomically."""
-        dir = Path(dir)
-        dir.mkdir(parents=True, exist_ok=True)
-        vocab = {_to_str(t): i for t, i in sorted(self._encoder.items(), key=lambda kv: kv[1])}
-        vocab.update(self.special_tokens)
+        tiktoken) and special_tokens.json; a failed save leaves the old files as they were."""
         merges = self._merges if self._merges is not None else self._derive_merges()
-        files = {
-            "vocab.json": json.dumps(vocab, ensure_ascii=False),
-            "merges.txt": "#version: 0.2\n" + "".join(f"{_to_str(a)} {_to_str(b)}\n" for a, b in merges),
-            SPECIALS_FILE: json.dumps({"special_tokens": self.special_tokens}, ensure_ascii=False, indent=1),
-        }
-        for name, text in files.items():
-            atomic_write(dir / name, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+        write_bpe(directory, self._encoder, self.special_tokens, merges)
 
     def _derive_merges(self) -> list[tuple[bytes, bytes]]:
         """The merge that makes each multi-byte token: BPE on its bytes with only the lower ranks gives two parts."""
@@ -518,15 +409,11 @@ class ByteLevelBPE:
             if len(tok) > 1:
                 parts = bpe_merge(tok, lower)
                 if len(parts) != 2:
-                    raise ValueError(f"token {_to_str(tok)!r} (rank {rank}) cannot be made by one merge of lower ranks")
+                    raise ValueError(f"token {token_str(tok)!r} (rank {rank}) cannot be made by one merge of lower "
+                                     "ranks")
                 merges.append((parts[0], parts[1]))
                 lower[tok] = rank
         return merges
-
-
-def _check_id(i, where: str) -> None:
-    if type(i) is not int or not 0 <= i < MAX_ID:
-        raise ValueError(f"{where}: id {i!r} is not an integer from 0 to {MAX_ID - 1}")
 
 
 _WORKER: ByteLevelBPE | None = None
