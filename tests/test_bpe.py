@@ -131,8 +131,9 @@ def test_long_merge_equals_plain_merge_on_long_pieces(gpt2, data_dir):
             real.append(squeezed[s:s + rng.randrange(65, 1200)])
     repetitive = [b"a" * 3000, b"=" * 999, b"-" * 1001, b"ab" * 777, "ÃĥÃĤ".encode() * 200, "日本語".encode() * 150,
                   b" " + b"a" * 2001, b"\xff\xfe" * 500, bytes(rng.choice(b"ab") for _ in range(2000))]
+    mixed = ["".join(rng.choice("aab cdeé\u4e00") for _ in range(rng.randint(2, 200))).encode() for _ in range(100)]
     trained = ByteLevelBPE.train([text[:100_000]], 1000)._ranks
-    for piece in real + repetitive:
+    for piece in real + repetitive + mixed:
         for ranks in (gpt2._ranks, trained):
             assert bpe_merge_long(piece, ranks) == bpe_merge(piece, ranks), piece[:40]
 

@@ -1,5 +1,4 @@
 """WordPiece (BERT) against HF BertTokenizerFast: ids, offsets, pairs, truncation, files, training."""
-import json
 import random
 import re
 import time

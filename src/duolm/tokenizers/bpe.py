@@ -150,8 +150,8 @@ def bpe_merge_long(piece: bytes, ranks: dict[bytes, int]) -> list[bytes]:
     the lowest rank's bucket is swept left to right. A merge never makes a pair of its own rank (the
     joined bytes are longer), so the pairs it makes wait in later buckets; one of a lower or equal rank
     (possible in a vocabulary not learned by BPE) goes to a heap of keys rank * m + start served first.
-    A waiting pair is stale when its parts have changed since: the part at its start no longer ends
-    where the pair's bytes did. The fast part is the sweep: runs of one repeated pair cost no heap work."""
+    A waiting pair is stale (skipped) once its parts have changed: the two parts now at its start no
+    longer span its token's bytes. The sweep is what is fast: runs of one pair cost no heap work."""
     n = len(piece)
     m = n + 1
     nxt = list(range(1, n + 2))
