@@ -23,7 +23,6 @@ import json
 import os
 import pickle
 import struct
-import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -376,17 +375,19 @@ def _save_safetensors(sd: dict, file: Path):
     """HF's tied output names (lm_head.weight, the MLM decoder's) are left out, as transformers writes
     them: it re-ties them on load, and safetensors refuses two names for one tensor."""
     out = {k: sd[k].to("cpu").contiguous() for k in sorted(sd) if k not in _hf.HF_TIED_KEYS}
-    atomic_write(file, lambda tmp: _st_save_file(out, tmp, metadata={"format": "pt"}))
+
+    def write(tmp):
+        try:
+            _st_save_file(out, tmp, metadata={"format": "pt"})
+        except SafetensorError as e:   # the library reports a full disk as its own error type
+            raise OSError(f"could not write {file} ({e})") from None
+    atomic_write(file, write)
 
 
 def _save_tokenizer(tokenizer, path: Path):
     if not isinstance(tokenizer, (ByteLevelBPE, WordPiece)):
         raise ValueError(f"cannot save a {type(tokenizer).__name__} tokenizer; expected ByteLevelBPE or WordPiece")
-    # The tokenizer writes into a scratch folder beside the target; each file is then renamed in.
-    with tempfile.TemporaryDirectory(dir=path, prefix=".tok-") as tmp:
-        tokenizer.save(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            os.replace(f, path / f.name)
+    tokenizer.save(path)      # every file written atomically, all of them before any is replaced
 
 
 def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:

@@ -26,15 +26,13 @@ def add_options(parser, cls) -> None:
                                 help=meta.get("help"))
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
-                                help=f"{meta.get('help', '')} (default: {f.default})")
+                                help=meta.get("help", "") + ("" if f.default is None else f" (default: {f.default})"))
 
 
 def options(cls, args):
     """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults)."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
-
-# --- tokenizer --------------------------------------------------------------------------------
 
 def cmd_tokenizer_train(args):
     from duolm.tokenizers import train_tokenizer
@@ -50,11 +48,8 @@ def cmd_tokenizer_encode(args):
     from duolm.tokenizers import load_tokenizer, show_pieces
 
     ids, pieces = show_pieces(load_tokenizer(args.dir), args.text, allow_special=args.allow_special)
-    rule = "special tokens typed in the text are encoded as special" if args.allow_special else \
-        "special tokens typed in the text are plain text (--allow-special to encode them as special)"
-    print("ids:   ", ids)
-    print("pieces:", pieces)
-    print("rule:  ", rule)
+    print("ids:   ", ids, "\npieces:", pieces, "\nrule:   special tokens typed in the text are " +
+          ("encoded as special" if args.allow_special else "plain text (--allow-special to encode them as special)"))
 
 
 def _add_tokenizer(sub):
@@ -74,8 +69,6 @@ def _add_tokenizer(sub):
     e.add_argument("--allow-special", action="store_true", help="encode typed special tokens as special")
     e.set_defaults(func=cmd_tokenizer_encode)
 
-
-# --- convert / prepare ------------------------------------------------------------------------
 
 def cmd_convert(args):
     from duolm.checkpoint import load, save
@@ -104,8 +97,8 @@ def cmd_prepare(args):
     tok = load_tokenizer(args.tokenizer)
     with tqdm(total=0, unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True, disable=args.quiet) as bar:
         meta = prepare(args.files, tok, args.out, workers=args.workers, val_fraction=args.val_fraction,
-                       shard_size=args.shard_size, progress=lambda done, total: bar.update(done - bar.n) or
-                       setattr(bar, "total", total))
+                       shard_size=args.shard_size, progress=lambda done, total:
+                       (setattr(bar, "total", total), bar.update(done - bar.n)))
     for split, m in meta["splits"].items():
         extra = f", {m['sentences']:,} sentences" if "sentences" in m else ""
         print(f"{split}: {m['tokens']:,} tokens, {m['documents']:,} documents{extra} in {len(m['shards'])} shard(s)")
@@ -129,41 +122,47 @@ def _add_prepare(sub):
     p.set_defaults(func=cmd_prepare)
 
 
-# --- pretrain ---------------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
+    printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
+
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
+        self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
+
+    def start(self, model, device, step):
+        from tqdm import tqdm
+
+        print(f"{self.name}: {model.num_params():,} parameters on {device}" + (f"; resuming at step {step}" if step else ""))
+        self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
+
+    def __call__(self, row):
+        import math
+
+        if "loss" in row:
+            self.bar.update(row["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        val = {k[4:]: v for k, v in row.items() if k.startswith("val_")}
+        if val:
+            ppl = f" (perplexity {math.exp(min(val['loss'], 50)):.2f})" if self.perplexity and "loss" in val else ""
+            self.bar.write(f"step {row['step']}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) + ppl)
+        if row.get("nonfinite"):
+            self.bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
 
 def cmd_pretrain(args):
-    import math
-
-    from tqdm import tqdm
-
     from duolm.train import ModelConfig, TrainConfig, pretrain
 
-    bar = None
-
-    def on_start(model, device, start):
-        nonlocal bar
-        print(f"{args.family} {args.preset}: {model.num_params():,} parameters on {device}; run folder {args.out}"
-              + (f"; resuming at step {start}" if start else ""))
-        bar = tqdm(total=args.max_steps, initial=start, unit="step", dynamic_ncols=True, disable=args.quiet)
-
-    def on_log(row):
-        if "loss" in row:
-            bar.update(row["step"] - bar.n)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if "val_loss" in row:
-            extra = "".join(f" {k[4:]} {v:.4f}" for k, v in row.items() if k.startswith("val_") and k != "val_loss")
-            ppl = f" ppl {math.exp(min(row['val_loss'], 50)):.2f}" if args.family == "gpt2" else ""
-            tqdm.write(f"step {row['step']}: val loss {row['val_loss']:.4f}{ppl}{extra}")
-        if row.get("nonfinite"):
-            tqdm.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
-
+    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2")
     try:
         r = pretrain(args.family, args.data, args.out, options(ModelConfig, args), options(TrainConfig, args),
-                     resume=args.resume, device=args.device, on_start=on_start, on_log=on_log)
+                     resume=args.resume, device=args.device, on_start=progress.start, on_log=progress)
     finally:
-        if bar is not None:
-            bar.close()
-    if bar is not None:
+        progress.close()
+    if progress.bar is not None:
         print(f"{'stopped by SIGTERM' if r['stopped'] else 'done'} at step {r['step']}; checkpoint "
               f"{args.out}/ckpt-{r['saved_at']:08d}; metrics {args.out}/metrics.jsonl"
               + (f"; loss curve {r['plot']}" if r.get("plot") else ""))
@@ -184,8 +183,6 @@ def _add_pretrain(sub):
     add_options(p.add_argument_group("training"), TrainConfig)
     p.set_defaults(func=cmd_pretrain)
 
-
-# --- generate / fill-mask -----------------------------------------------------------------------
 
 def cmd_generate(args):
     from duolm.checkpoint import load
@@ -211,8 +208,7 @@ def cmd_generate(args):
             sys.stdout.flush()
     print()
     if gen.stop_reason == StopReason.CONTEXT:
-        print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full; use a shorter "
-              f"prompt or --truncate left", file=sys.stderr)
+        print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
 
 
 def _add_generate(sub):
@@ -237,8 +233,7 @@ def _add_generate(sub):
                    help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
     p.add_argument("--quantize", choices=["int8", "bf16"], default=None,
                    help="weight-only int8/bf16 matmuls: faster CPU decoding, slightly different numbers")
-    p.add_argument("--plain-layout", action="store_true",
-                   help="skip the fp32 decode layout (~380 MB more for GPT-2 124M, ~1.4x faster, same numbers)")
+    p.add_argument("--plain-layout", action="store_true", help="skip the fp32 decode layout (saves ~380 MB for 124M)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -266,7 +261,6 @@ def _add_fill_mask(sub):
 
 def cmd_demo(args):
     from duolm.demo import run
-
     run(args.out, text=args.text, gpt2_steps=args.gpt2_steps, bert_steps=args.bert_steps)
 
 
@@ -278,8 +272,6 @@ def _add_demo(sub):
     p.add_argument("--bert-steps", type=int, default=500)
     p.set_defaults(func=cmd_demo)
 
-
-# --- end of subcommands ------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duolm", description="GPT-2 and BERT: tokenizers, models, training, generation")
