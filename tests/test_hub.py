@@ -99,7 +99,7 @@ def test_a_ref_to_a_missing_snapshot_and_a_corrupt_ref(tmp_path):
         hub.resolve("openai-community/gpt2", {"HF_HUB_CACHE": str(tmp_path)})
 
 
-@pytest.mark.parametrize("name", ["../gpt2", "a/b/c", "/abs", "gpt2--x", "", "x" * 200, "ok name"])
+@pytest.mark.parametrize("name", ["../gpt2", "a/b/c", "/abs", "gpt2--x", "", "x" * 200, "ok name", "gpt2\n", "gpt2é"])
 def test_names_that_are_not_repo_ids(name):
     assert not hub.is_repo_id(name)
     with pytest.raises(ValueError, match="not a Hugging Face model name"):

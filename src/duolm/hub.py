@@ -19,14 +19,14 @@ from pathlib import Path
 # Short names the hub moved under an organisation ("gpt2" -> "openai-community/gpt2",
 # "bert-base-uncased" -> "google-bert/bert-base-uncased"); either may be in a cache.
 ORGS = ("openai-community", "google-bert")
-# A repo id: "name" or "org/name"; letters, digits, "-", "_", "."; no "--" or ".." (the hub's rules).
+# A repo id: "name" or "org/name"; ASCII letters, digits, "-", "_", "."; no "--" or ".." (the hub's rules).
+_REPO_ID = re.compile(r"(?!.*(--|\.\.))[A-Za-z0-9][A-Za-z0-9_.-]{0,95}(/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})?")
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-_REPO_ID = re.compile(r"^(?!.*(--|\.\.))[A-Za-z0-9][\w.-]{0,95}(/[A-Za-z0-9][\w.-]{0,95})?$")
 
 
 def is_repo_id(name: str) -> bool:
     """"gpt2", "openai-community/gpt2-medium" -> True; "./x", "a/b/c", "../x" -> False."""
-    return bool(_REPO_ID.match(name))
+    return bool(_REPO_ID.fullmatch(name))
 
 
 def cache_dir(env: Mapping[str, str]) -> Path:
@@ -50,7 +50,7 @@ def resolve(name: str, env: Mapping[str, str], revision: str = "main") -> Path:
     in the local cache. Raises FileNotFoundError naming every path tried and how to fill the cache."""
     if not is_repo_id(name):
         raise ValueError(f"{name!r} is not a Hugging Face model name (\"name\" or \"org/name\")")
-    if not re.fullmatch(r"[\w.-]+", revision) or ".." in revision:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", revision) or ".." in revision:
         raise ValueError(f"revision {revision!r} is not a branch, tag or commit hash")
     cache = cache_dir(env)
     tried = []
