@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 
 def crc_ratio(repeat: int) -> None:
-    from duolm.convert.tf import crc32c
+    from duolm.convert.crc32c import crc32c
 
     data = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
     ours, ref = [], []

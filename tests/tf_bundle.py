@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from duolm.convert import tf
+from duolm.convert.crc32c import crc32c
 
 MAGIC = 0xDB4775248B80FB57
 
@@ -35,7 +36,7 @@ def field(num: int, value) -> bytes:
 def _block(items) -> bytes:
     body = b"".join(varint(0) + varint(len(k)) + varint(len(v)) + k + v for k, v in items)
     body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")   # one restart point, at 0
-    return body + b"\x00" + mask(tf.crc32c(body + b"\x00")).to_bytes(4, "little")
+    return body + b"\x00" + mask(crc32c(body + b"\x00")).to_bytes(4, "little")
 
 
 def write_bundle(prefix, tensors: dict) -> None:
@@ -49,7 +50,7 @@ def write_bundle(prefix, tensors: dict) -> None:
             shape = b"".join(field(2, field(1, d)) for d in raw.shape)
             entries.append((name.encode(), field(1, codes[raw.dtype]) + field(2, shape) + field(4, offset)
                             + field(5, raw.nbytes) + varint(6 << 3 | 5)
-                            + mask(tf.crc32c(raw.reshape(-1).view(np.uint8))).to_bytes(4, "little")))
+                            + mask(crc32c(raw.reshape(-1).view(np.uint8))).to_bytes(4, "little")))
             f.write(raw.tobytes())
             offset += raw.nbytes
     data_block, meta = _block(entries), _block([])

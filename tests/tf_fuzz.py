@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from duolm.convert import tf
+from duolm.convert.crc32c import crc32c
 from tf_bundle import mask
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "tf"
@@ -61,7 +62,7 @@ def mutate(data: bytes, rng: random.Random, blocks=None) -> bytes:
         for _ in range(rng.randint(1, 3)):
             j = off + rng.randrange(size)
             b[j] = rng.choice([b[j] ^ (1 << rng.randrange(8)), 0, 0xFF, rng.randrange(256)])
-        b[off + size + 1:off + size + 5] = mask(tf.crc32c(bytes(b[off:off + size + 1]))).to_bytes(4, "little")
+        b[off + size + 1:off + size + 5] = mask(crc32c(bytes(b[off:off + size + 1]))).to_bytes(4, "little")
     return bytes(b)
 
 

@@ -82,7 +82,8 @@ def cmd_convert(args):
 
 def _add_convert(sub):
     p = sub.add_parser("convert", help="convert a model directory between duolm and Hugging Face formats")
-    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert) or training-run directory")
+    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert), original TensorFlow release or training-run "
+                               "directory, or a model name in the local Hugging Face cache (e.g. gpt2)")
     p.add_argument("dst", help="output directory (created; files in it are replaced)")
     p.add_argument("--to", choices=["duolm", "hf"], default="duolm", help="output format (default: duolm)")
     p.set_defaults(func=cmd_convert)
@@ -215,7 +216,8 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="continue a prompt with a GPT-2 model",
                        description="Prints the prompt and its continuation; stops at <|endoftext|>, a --stop "
                                    "string, --max-new-tokens or the end of the context window.")
-    p.add_argument("dir", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("dir", help="model directory (duolm, Hugging Face, TensorFlow release, or a training run) "
+                               "or a model name in the local Hugging Face cache")
     p.add_argument("prompt", help="text to continue (may be empty: then it starts from <|endoftext|>)")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
