@@ -1,0 +1,1 @@
+"""Zero-shot evaluation of causal language models (the GPT-2 paper's protocol)."""
