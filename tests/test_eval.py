@@ -24,6 +24,15 @@ from duolm.models import GPT2, GPT2Config  # noqa: E402
 REL = 1e-6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: a second thread only adds waits on a shared machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 # --- the model and tokenizer, in duolm and in transformers ---------------------------------------
 
 @pytest.fixture(scope="module")
@@ -355,10 +364,10 @@ def _hf_greedy_line(hf, ids, max_new, eot):
 def test_translate_equals_transformers_greedy_and_sacrebleu(models, tok, data_dir):
     sacrebleu = pytest.importorskip("sacrebleu")
     model, hf, hf_tok = models
-    en = (data_dir / "wmt14" / "newstest2014-fren.en.txt").read_text(encoding="utf-8").split("\n")[:7]
-    fr = (data_dir / "wmt14" / "newstest2014-fren.fr.txt").read_text(encoding="utf-8").split("\n")[:7]
+    en = (data_dir / "wmt14" / "newstest2014-fren.en.txt").read_text(encoding="utf-8").split("\n")[:5]
+    fr = (data_dir / "wmt14" / "newstest2014-fren.fr.txt").read_text(encoding="utf-8").split("\n")[:5]
     got = evaluate_lm(model, tok, "translate", data_dir / "wmt14" / "newstest2014-fren.en.txt", shots=2,
-                      max_examples=5, batch_size=3)
+                      max_examples=3, batch_size=2)
     head = f"{en[0]} = {fr[0]}\n{en[1]} = {fr[1]}\n"
     hyps = []
     for s in en[2:]:
@@ -394,19 +403,19 @@ def test_coqa_equals_transformers_greedy(models, tok, tmp_path):
 def test_summarize_is_reproducible_and_scores_rouge_with_references(models, tok, data_dir, tmp_path):
     rouge_scorer = pytest.importorskip("rouge_score.rouge_scorer")
     model, _, _ = models
-    articles = (data_dir / "cnndm" / "test.source").read_text(encoding="utf-8").split("\n")[:3]
+    articles = (data_dir / "cnndm" / "test.source").read_text(encoding="utf-8").split("\n")[:2]
+    assert all(len(tok.encode_ordinary(a)) > 256 for a in articles)      # cut to fit the window
     (tmp_path / "test.source").write_text("\n".join(articles) + "\n")
     a = evaluate_lm(model, tok, "summarize", tmp_path / "test.source", seed=3)
-    b = evaluate_lm(model, tok, "summarize", tmp_path / "test.source", seed=3)
-    assert a["predictions"] == b["predictions"] and "rouge1" not in a and "not computed" in a["protocol"]
-    refs = ["A man won the race.", "The cat sat on the mat.", "Prices rose again in May."]
+    assert "rouge1" not in a and "not computed" in a["protocol"] and len(a["predictions"]) == 2
+    refs = ["A man won the race.", "The cat sat on the mat."]
     (tmp_path / "test.target").write_text("\n".join(refs) + "\n")
     c = evaluate_lm(model, tok, "summarize", tmp_path / "test.source", seed=3)
+    assert c["predictions"] == a["predictions"]                            # the seed fixes the samples
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=True)
     ref = [scorer.score(r, s) for r, s in zip(refs, c["predictions"])]
-    assert c["predictions"] == a["predictions"]
     for name in ("rouge1", "rouge2", "rougeL"):
-        assert c[name] == pytest.approx(100 * sum(x[name].fmeasure for x in ref) / 3)
+        assert c[name] == pytest.approx(100 * sum(x[name].fmeasure for x in ref) / 2)
 
 
 # --- the suite and Table 3 -------------------------------------------------------------------------------
