@@ -18,6 +18,7 @@ from duolm.evaluation import (count_words, detokenize, encode_stream, evaluate_l
                               run_suite, sliding_windows, table3_markdown, windows)
 from duolm.evaluation.prompted import coqa_f1, first_sentences  # noqa: E402
 from duolm.evaluation.readers import CBTExample, LambadaExample  # noqa: E402
+from duolm import cli  # noqa: E402
 from duolm.evaluation.tasks import STOPWORDS, cbt_scores, cbt_texts  # noqa: E402
 from duolm.models import GPT2, GPT2Config  # noqa: E402
 
@@ -42,7 +43,7 @@ def tok(data_dir):
 
 @pytest.fixture(scope="module")
 def models(tok, tmp_path_factory):
-    """(ours, transformers' GPT2LMHeadModel, transformers' tokenizer) on the same weights."""
+    """(ours, transformers' GPT2LMHeadModel, transformers' tokenizer, the HF directory): same weights."""
     torch.manual_seed(0)
     model = GPT2(GPT2Config(vocab_size=50257, block_size=256, n_layer=2, n_head=2, n_embd=32))
     g = torch.Generator().manual_seed(1)
@@ -53,7 +54,7 @@ def models(tok, tmp_path_factory):
     d = duolm.save(model, tmp_path_factory.mktemp("tiny") / "hf", tokenizer=tok, format="hf")
     hf = transformers.GPT2LMHeadModel.from_pretrained(d).eval()
     hf_tok = transformers.GPT2TokenizerFast.from_pretrained(d)
-    return model, hf, hf_tok
+    return model, hf, hf_tok, d
 
 
 def hf_logprobs(hf, ids, start=0):
@@ -193,7 +194,7 @@ def test_word_counts_used_as_normalisers_are_the_published_ones(data_dir, task, 
 
 @pytest.mark.parametrize("stride", [96, 256])
 def test_perplexity_equals_transformers_sliding_window(models, tok, data_dir, stride):
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     lines = list(itertools.islice(open(data_dir / "wikitext-2" / "test.txt", encoding="utf-8"), 1, 12))
     got = evaluate_lm(model, tok, "wikitext2", lines, stride=stride, batch_size=3)
     text = "".join(detokenize(line[:-1], "wikitext") + "\n" for line in lines)
@@ -211,7 +212,7 @@ def test_perplexity_equals_transformers_sliding_window(models, tok, data_dir, st
 
 
 def test_bits_per_byte_and_per_char_equal_transformers(models, tok, data_dir, tmp_path):
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     raw = (data_dir / "wikitext-2-raw" / "wiki.test.raw").read_bytes()[:3000]
     raw = raw[:raw.rindex(b" ")] + " — ünïcode".encode()       # multi-byte characters count as bytes
     (tmp_path / "enwik8").write_bytes(raw)
@@ -247,7 +248,7 @@ def _hf_lambada(hf, hf_tok, examples, stop_ids=None):
 def lambada_examples(models, data_dir):
     """16 development passages; for 8 of them the target is made the model's own greedy word (one or
     two tokens), so that hits happen and both accuracies are tested."""
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     from duolm.evaluation.readers import lambada_examples as read
     exs = read(data_dir / "lambada" / "lambada_development_plain_text.txt")[:16]
     out = []
@@ -263,7 +264,7 @@ def lambada_examples(models, data_dir):
 
 
 def test_lambada_equals_a_plain_transformers_loop(models, tok, lambada_examples):
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     got = evaluate_lm(model, tok, "lambada", lambada_examples, batch_size=5)
     ref = _hf_lambada(hf, hf_tok, lambada_examples)
     assert got["examples"] == 16
@@ -313,7 +314,7 @@ def cbt_file(data_dir, tmp_path_factory):
 
 
 def test_cbt_equals_a_plain_transformers_loop(models, tok, cbt_file):
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     from duolm.evaluation.readers import cbt_examples
     exs = cbt_examples(cbt_file, "cbt-cn")
     assert len(exs) == 2 and len(exs[0].context) > 200          # longer than the 256-token window
@@ -363,7 +364,7 @@ def _hf_greedy_line(hf, ids, max_new, eot):
 
 def test_translate_equals_transformers_greedy_and_sacrebleu(models, tok, data_dir):
     sacrebleu = pytest.importorskip("sacrebleu")
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     en = (data_dir / "wmt14" / "newstest2014-fren.en.txt").read_text(encoding="utf-8").split("\n")[:5]
     fr = (data_dir / "wmt14" / "newstest2014-fren.fr.txt").read_text(encoding="utf-8").split("\n")[:5]
     got = evaluate_lm(model, tok, "translate", data_dir / "wmt14" / "newstest2014-fren.en.txt", shots=2,
@@ -382,7 +383,7 @@ def test_translate_equals_transformers_greedy_and_sacrebleu(models, tok, data_di
 
 
 def test_coqa_equals_transformers_greedy(models, tok, tmp_path):
-    model, hf, hf_tok = models
+    model, hf, hf_tok, _ = models
     story = "Tom had a white cat called Snow. The cat slept in a basket by the fire. " * 12
     data = {"version": "1.0", "data": [{
         "id": "x", "source": "mctest", "story": story,
@@ -402,7 +403,7 @@ def test_coqa_equals_transformers_greedy(models, tok, tmp_path):
 
 def test_summarize_is_reproducible_and_scores_rouge_with_references(models, tok, data_dir, tmp_path):
     rouge_scorer = pytest.importorskip("rouge_score.rouge_scorer")
-    model, _, _ = models
+    model, *_ = models
     articles = (data_dir / "cnndm" / "test.source").read_text(encoding="utf-8").split("\n")[:2]
     assert all(len(tok.encode_ordinary(a)) > 256 for a in articles)      # cut to fit the window
     (tmp_path / "test.source").write_text("\n".join(articles) + "\n")
@@ -421,7 +422,7 @@ def test_summarize_is_reproducible_and_scores_rouge_with_references(models, tok,
 # --- the suite and Table 3 -------------------------------------------------------------------------------
 
 def test_suite_runs_what_is_there_and_prints_table3(models, tok, tmp_path, data_dir, cbt_file):
-    model, _, _ = models
+    model, *_ = models
     (tmp_path / "ptb").mkdir()
     (tmp_path / "ptb" / "ptb.test.txt").write_text("".join(open(data_dir / "ptb" / "ptb.test.txt").readlines()[:30]))
     (tmp_path / "cbtest_CN_test_2500ex.txt").write_bytes(cbt_file.read_bytes())
@@ -435,9 +436,11 @@ def test_suite_runs_what_is_there_and_prints_table3(models, tok, tmp_path, data_
 
 
 def test_paper_numbers_for_released_sizes():
+    from types import SimpleNamespace
+
     from duolm.evaluation.suite import model_size, paper_number
-    small = GPT2(GPT2Config(n_layer=12, n_embd=768, n_head=12))       # 117M shape (weights irrelevant)
-    assert model_size(small) == "117M"
+    assert model_size(SimpleNamespace(config=GPT2Config(n_layer=12, n_embd=768, n_head=12))) == "117M"
+    assert model_size(SimpleNamespace(config=GPT2Config(n_layer=12, n_embd=768, n_head=12, block_size=512))) is None
     assert paper_number("wikitext2", "117M") == ("ppl", 29.41)
     assert paper_number("lambada", "1542M") == ("acc_last_token", 63.24)
     assert paper_number("enwik8", "762M") == ("bpb", 0.97) and paper_number("ptb", None) is None
@@ -512,3 +515,42 @@ def test_a_long_document_is_streamed(tmp_path):
         tracemalloc.stop()
         assert got["words"] == 16 * 40 * 60 * copies
     assert peaks[1] < 1.5 * peaks[0], peaks
+
+
+# --- the command line -------------------------------------------------------------------------------------
+
+def test_cli_eval_prints_metric_protocol_and_writes_json_and_markdown(models, tok, tmp_path, data_dir, capsys):
+    model, _, _, d = models
+    ptb = tmp_path / "ptb.test.txt"
+    ptb.write_text("".join(open(data_dir / "ptb" / "ptb.test.txt").readlines()[:20]))
+    cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--stride", "200", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    ref = evaluate_lm(model, tok, "ptb", ptb, stride=200)
+    assert got == pytest.approx(ref) and "stride 200" in got["protocol"]
+    cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--no-detokenize", "-o", str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert "ptb de-tokenizer off" in saved["protocol"] and f"| ppl | {saved['ppl']:.4g} |" in out
+    assert (tmp_path / "r.md").read_text().startswith("| ptb | ours | paper |")
+    (tmp_path / "suite" / "ptb").mkdir(parents=True)
+    (tmp_path / "suite" / "ptb" / "ptb.test.txt").write_bytes(ptb.read_bytes())
+    cli.main(["eval", str(d), "--suite", "gpt2-paper", "--data-dir", str(tmp_path / "suite")])
+    out = capsys.readouterr().out
+    assert "| 1542M (paper) | 8.63 |" in out and "ptb: window 256 tokens" in out
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--task", "ptb", "--data", "DATA"], ["needs a causal language model", "Bert"]),
+    (["--task", "ptb"], ["--task TASK --data PATH"]),
+    (["--task", "lambada", "--data", "WT"], ["lambada: ", "line 1"]),
+])
+def test_cli_eval_bad_input_is_one_line(models, tok, tmp_path, data_dir, capsys, argv, named):
+    bert_dir = duolm.save(duolm.BertForPreTraining(duolm.BertConfig.preset("tiny")), tmp_path / "bert")
+    (tmp_path / "wt.txt").write_text(" \n = Title = \n")
+    model_dir = str(bert_dir) if "DATA" in argv else str(models[3])
+    argv = [{"DATA": str(tmp_path / "wt.txt"), "WT": str(tmp_path / "wt.txt")}.get(a, a) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", model_dir] + argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("duolm: error:")
+    assert all(n in err for n in named), err

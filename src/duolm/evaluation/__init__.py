@@ -11,11 +11,11 @@ from duolm.evaluation.detok import detokenize, detokenize_words, retokenize
 from duolm.evaluation.perplexity import (bits_per_unit, count_words, encode_stream, perplexity, score_stream,
                                          sliding_windows, windows)
 from duolm.evaluation.prompted import coqa_f1, first_sentences
-from duolm.evaluation.suite import (PAPER_TABLE3, TASKS, evaluate_lm, find_suite_files, run_suite,
+from duolm.evaluation.suite import (PAPER_TABLE3, TASKS, evaluate_lm, find_suite_files, markdown, run_suite,
                                     table3_markdown)
 from duolm.evaluation.tasks import EvalOptions
 
 __all__ = ["detokenize", "detokenize_words", "retokenize", "bits_per_unit", "count_words", "encode_stream",
            "perplexity", "score_stream", "sliding_windows", "windows", "coqa_f1", "first_sentences",
-           "PAPER_TABLE3", "TASKS", "evaluate_lm", "find_suite_files", "run_suite", "table3_markdown",
+           "PAPER_TABLE3", "TASKS", "evaluate_lm", "find_suite_files", "markdown", "run_suite", "table3_markdown",
            "EvalOptions"]

@@ -148,3 +148,20 @@ def table3_markdown(suite: dict) -> str:
         ours.append("-" if r is None else f"{r[key]:.2f}")
     lines.append(f"| ours{' (' + suite['model'] + ')' if suite.get('model') else ''} | " + " | ".join(ours) + " |")
     return "\n".join(lines)
+
+
+METRICS = ("ppl", "ppl_token", "bpb", "bpc", "acc_last_token", "acc_last_word", "acc", "rouge1", "rouge2",
+           "rougeL", "bleu", "f1")
+
+
+def markdown(result: dict) -> str:
+    """A result as markdown: a suite's in Table 3's layout, one task's as a table of its metrics with
+    the paper's number beside the one it reports; then the protocol line(s)."""
+    if "results" in result:
+        return table3_markdown(result) + "".join(f"\n\n{t}: {r['protocol']}" for t, r in result["results"].items())
+    paper = result.get("paper") or {}
+    lines = [f"| {result['task']} | ours | paper{' (' + paper['model'] + ')' if paper else ''} |", "|---|---|---|"]
+    for key in METRICS:
+        if key in result:
+            lines.append(f"| {key} | {result[key]:.4g} | {paper['value'] if paper.get('metric') == key else ''} |")
+    return "\n".join(lines) + f"\n\nprotocol: {result['protocol']}"

@@ -7,7 +7,7 @@ task's examples. Accuracies are percentages, as in the paper's Table 3.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -25,14 +25,18 @@ Progress = Callable[[int, "int | None", dict], None]   # (done, total or None, r
 @dataclass
 class EvalOptions:
     """How `duolm eval` runs a task; each task reads the options it uses."""
-    stride: int | None = None          # sliding-window stride in tokens (default: half the context)
-    batch_size: int = 8                # windows / examples per forward pass
-    detokenize: bool = True            # undo the dataset's tokenization (the paper's de-tokenizers)
-    stopword_filter: bool = False      # LAMBADA: the predicted word may not be a stop word
-    max_examples: int | None = None    # score only the first N examples (LAMBADA, CBT, prompted tasks)
-    seed: int = 0                      # sampling seed (summarize)
-    shots: int = 4                     # translate: example pairs before each sentence
-    direction: str = "en-fr"           # translate: en-fr or fr-en
+    stride: int | None = field(default=None, metadata={
+        "help": "sliding-window stride in tokens (default: half the context window)"})
+    batch_size: int = field(default=8, metadata={"help": "windows / examples per forward pass"})
+    detokenize: bool = field(default=True, metadata={
+        "help": "keep the dataset's tokenization (the paper undoes it with invertible de-tokenizers)"})
+    stopword_filter: bool = field(default=False, metadata={
+        "help": "LAMBADA: the predicted word may not be a stop word (the paper's filter)"})
+    max_examples: int | None = field(default=None, metadata={
+        "help": "score only the first N examples (LAMBADA, CBT, prompted tasks)"})
+    seed: int = field(default=0, metadata={"help": "sampling seed (summarize)"})
+    shots: int = field(default=4, metadata={"help": "translate: example pairs before each sentence"})
+    direction: str = field(default="en-fr", metadata={"help": "translate: direction", "choices": ["en-fr", "fr-en"]})
 
 
 # --- corpus perplexity -----------------------------------------------------------------------------
