@@ -226,6 +226,17 @@ def test_bits_per_byte_and_per_char_equal_transformers(models, tok, data_dir, tm
     assert got["chars"] == len(text8) and rel(got["bpc"], nll / (len(text8) * math.log(2))) < REL
 
 
+def test_1bw_perplexity_equals_transformers(models, tok, tmp_path):
+    model, hf, hf_tok, _ = models
+    lines = ['He said , " I \'m fine . "', "The U.S. economy grew 3.5 % in the quarter , officials said .",
+             "It was n't clear ( to anyone ) why ."]
+    (tmp_path / "news.en.heldout-00000-of-00050").write_text("\n".join(lines) + "\n")
+    got = evaluate_lm(model, tok, "1bw", tmp_path / "news.en.heldout-00000-of-00050")
+    text = 'He said, "I\'m fine."\nThe U.S. economy grew 3.5 % in the quarter, officials said.\nIt wasn\'t clear (to anyone) why.\n'
+    nll, n = hf_sliding_nll(hf, [tok.eot_id] + hf_tok(text)["input_ids"], 256, 128)
+    assert got["words"] == 10 + 14 + 11 and got["tokens"] == n and rel(got["ppl"], math.exp(nll / 35)) < REL
+
+
 def _hf_lambada(hf, hf_tok, examples, stop_ids=None):
     """A plain loop: per passage, the target's tokens after the context, greedy predictions."""
     nll, last_tok, last_word = 0.0, 0, 0

@@ -93,11 +93,11 @@ def split_chunk(chunk: str, after: str, r: Rules) -> list[str]:
     if not chunk:
         return [chunk]
     left, right = [], []
-    opening = r.openers + (r.quote or "") + ('"' if r.open_close_quotes else "")
+    quotes = r.quote + ('"' if r.open_close_quotes else "")
+    opening = r.openers + quotes
     while len(chunk) > 1 and chunk[0] in opening:
         left.append(r.open_close_quotes[0] if chunk[0] == '"' and r.open_close_quotes else chunk[0])
         chunk = chunk[1:]
-    quotes = (r.quote or "") + ('"' if r.open_close_quotes else "")
     while len(chunk) > 1:
         nxt = right[0][:1] if right else after
         clitic = next((c for c in r.clitics if chunk.endswith(c) and len(chunk) > len(c)

@@ -6,6 +6,7 @@ task's examples. Accuracies are percentages, as in the paper's Table 3.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,7 +94,7 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
     eot = getattr(tokenizer, "eot_id", None)
     chunks = encode_stream(tokenizer, texts())
     if eot is not None:
-        chunks = _prepend([eot], chunks)
+        chunks = itertools.chain([[eot]], chunks)
 
     def on_batch(nll, n):
         if on_progress is not None:
@@ -118,11 +119,6 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
     out["protocol"] = (f"window {block} tokens, stride {stride}; {norm[c.unit]}; {detok}; "
                        f"{n:,} BPE tokens scored" + (" after <|endoftext|>" if eot is not None else ""))
     return out
-
-
-def _prepend(first, chunks):
-    yield first
-    yield from chunks
 
 
 # --- LAMBADA -------------------------------------------------------------------------------------------
@@ -172,6 +168,7 @@ def lambada_scores(model, tokenizer, examples: list, batch_size: int = 8, stopwo
         seqs.append(((ctx + tgt)[:-1][-block:], tgt))
     order = sorted(range(len(seqs)), key=lambda k: -len(seqs[k][0]))
     out: list = [None] * len(seqs)
+    done = hits = 0
     with torch.inference_mode():
         for s in range(0, len(order), batch_size):
             part = order[s:s + batch_size]
@@ -199,9 +196,10 @@ def lambada_scores(model, tokenizer, examples: list, batch_size: int = 8, stopwo
             for k, f in zip(part, firsts):
                 n = len(seqs[k][1])
                 out[k] = (sum(nll[f:f + n]), hit[f + n - 1], all(hit[f:f + n]))
+                hits += out[k][1]
+            done += len(part)
             if on_progress is not None:
-                done = [o for o in out if o is not None]
-                on_progress(len(done), len(out), {"acc_last_token": round(100 * sum(o[1] for o in done) / len(done), 2)})
+                on_progress(done, len(out), {"acc_last_token": round(100 * hits / done, 2)})
     return out
 
 
