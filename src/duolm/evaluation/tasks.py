@@ -68,6 +68,7 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
     c = CORPORA[task]
     seen = {"words": 0, "bytes": 0, "chars": 0}
     total = Path(data).stat().st_size if readers.is_path(data) else None
+    full = total == readers.FULL_CORPUS         # the whole enwik8 / text8: its test split is read
     if c.unit == "word":
         lines = readers.corpus_lines(data, task, c.framed) if readers.is_path(data) else data
 
@@ -79,8 +80,7 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
                 yield (detokenize(line, c.detok) if opts.detokenize else line) + "\n"
     else:
         blocks = readers.byte_blocks(data, task, text8=c.unit == "char") if readers.is_path(data) else data
-        if total is not None and total == readers.FULL_CORPUS:
-            total = readers.TEST_SPLIT
+        total = readers.TEST_SPLIT if full else total
 
         def counted(blocks):
             for b in blocks:
@@ -115,7 +115,7 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
     norm = {"word": f"perplexity per word over {units:,} words (whitespace tokens + one end-of-line per line)",
             "byte": f"bits per byte over {units:,} bytes", "char": f"bits per character over {units:,} characters"}
     detok = (f"{c.detok} de-tokenizer {'on' if opts.detokenize else 'off'}" if c.detok
-             else "raw text" + (" (test split: last 5,000,000 of 10^8)" if total == readers.TEST_SPLIT else ""))
+             else "raw text" + (" (the test split: last 5,000,000 bytes of 10^8)" if full else ""))
     out["protocol"] = (f"window {block} tokens, stride {stride}; {norm[c.unit]}; {detok}; "
                        f"{n:,} BPE tokens scored" + (" after <|endoftext|>" if eot is not None else ""))
     return out
