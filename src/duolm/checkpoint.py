@@ -20,10 +20,8 @@ renamed over the target (os.replace), so a crash leaves either the old file or t
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import struct
-import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -362,11 +360,7 @@ def _save_safetensors(sd: dict, file: Path):
 def _save_tokenizer(tokenizer, path: Path):
     if not isinstance(tokenizer, (ByteLevelBPE, WordPiece)):
         raise ValueError(f"cannot save a {type(tokenizer).__name__} tokenizer; expected ByteLevelBPE or WordPiece")
-    # The tokenizer writes into a scratch folder beside the target; each file is then renamed in.
-    with tempfile.TemporaryDirectory(dir=path, prefix=".tok-") as tmp:
-        tokenizer.save(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            os.replace(f, path / f.name)
+    tokenizer.save(path)      # every file written atomically, all of them before any is replaced
 
 
 def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:

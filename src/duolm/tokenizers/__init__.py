@@ -49,5 +49,5 @@ def show_pieces(tok, text: str, allow_special: bool = False) -> tuple[list[int],
         ids = tok.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         raw = [tok.decode_bytes([i]) for i in ids]
         return ids, [b.decode() if b.decode(errors="replace") == b.decode(errors="ignore") else str(b) for b in raw]
-    ids = tok.encode(text).ids
+    ids = tok.encode(text, split_special_tokens=not allow_special).ids
     return ids, [tok.inv[i] for i in ids]
