@@ -83,7 +83,7 @@ def _newline_ids(tokenizer) -> list[list[int]]:
 
 
 def _continue(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, opts: EvalOptions,
-              on_progress: Progress | None, key: str, stop_at_newline: bool, top_k: int | None = None,
+              on_progress: Progress | None, stop_at_newline: bool, top_k: int | None = None,
               generator=None) -> list[str]:
     """Text generated after each prompt (greedy unless top_k), `opts.batch_size` prompts at a time in
     order of length; a prompt keeps its last block - max_new_tokens tokens. Stops at <|endoftext|>
@@ -108,7 +108,7 @@ def _continue(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, o
             text = tokenizer.decode(ids)
             out[k] = text.split("\n")[0] if stop_at_newline else text
         if on_progress is not None:
-            on_progress(min(s + opts.batch_size, len(order)), len(order), {key: "generating"})
+            on_progress(min(s + opts.batch_size, len(order)), len(order), {})
     return out
 
 
@@ -133,7 +133,7 @@ def summarize(model, tokenizer, data, opts: EvalOptions, on_progress: Progress |
     room = model.config.block_size - 100 - len(tldr)
     prompts = [tokenizer.encode_ordinary(a)[:room] + tldr for a, _ in pairs]
     g = torch.Generator(device=next(model.parameters()).device).manual_seed(opts.seed)
-    texts = _continue(model, tokenizer, prompts, 100, opts, on_progress, "summaries", False, top_k=2, generator=g)
+    texts = _continue(model, tokenizer, prompts, 100, opts, on_progress, False, top_k=2, generator=g)
     summaries = [first_sentences(t, 3) for t in texts]
     out = {"task": "summarize", "examples": len(pairs), "predictions": summaries}
     scored = [(s, r) for s, (_, r) in zip(summaries, pairs) if r is not None]
@@ -181,7 +181,7 @@ def translate(model, tokenizer, data, opts: EvalOptions, on_progress: Progress |
         raise ValueError(f"translate: no sentence pairs after the {opts.shots} example pairs")
     head = "".join(f"{s} = {t}\n" for s, t in demos)
     prompts = [tokenizer.encode_ordinary(f"{head}{s} =") for s, _ in pairs]
-    texts = _continue(model, tokenizer, prompts, 128, opts, on_progress, "translations", True)
+    texts = _continue(model, tokenizer, prompts, 128, opts, on_progress, True)
     hyps = [first_sentences(t, 1) for t in texts]
     import sacrebleu
     bleu = sacrebleu.corpus_bleu(hyps, [[t for _, t in pairs]])
@@ -205,7 +205,7 @@ def coqa(model, tokenizer, data, opts: EvalOptions, on_progress: Progress | None
             history += f"Q: {q}\nA: {answers[0]}\n\n"
     if not prompts:
         raise ValueError("coqa: no questions")
-    preds = [p.strip() for p in _continue(model, tokenizer, prompts, 32, opts, on_progress, "answers", True)]
+    preds = [p.strip() for p in _continue(model, tokenizer, prompts, 32, opts, on_progress, True)]
     f1 = 100 * sum(coqa_f1(p, g) for p, g in zip(preds, golds)) / len(preds)
     return {"task": "coqa", "f1": f1, "examples": len(preds), "predictions": preds,
             "protocol": (f"story + 'Q: ...\\nA: ...' history (gold answers) + 'Q: question\\nA:', greedy to the "
