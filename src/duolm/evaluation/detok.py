@@ -70,18 +70,23 @@ def _period_splits(rest: str, after: str, r: Rules) -> bool:
             and rest.lower() not in _ABBREVIATIONS and (r.lowercased or not after[:1].islower()))
 
 
+_HYPHEN = re.compile(r"(?<=[^-])-(?=[^-])")
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)+")
+_NUMBER_SEP = re.compile(r"([.,])")
+
+
 def _split_middle(chunk: str, r: Rules) -> list[str]:
     if chunk in r.connectors:          # a connector left standing alone
         return [chunk]
     if r.equals and chunk and set(chunk) == {"="}:
         return list(chunk)
-    parts = re.split(r"(?<=[^-])-(?=[^-])", chunk) if "@-@" in r.connectors else [chunk]
+    parts = _HYPHEN.split(chunk) if "@-@" in r.connectors else [chunk]
     out = []
     for i, part in enumerate(parts):
         if i:
             out.append("@-@")
-        if r.connectors and re.fullmatch(r"\d+(?:[.,]\d+)+", part):
-            for piece in re.split(r"([.,])", part):
+        if r.connectors and _NUMBER.fullmatch(part):
+            for piece in _NUMBER_SEP.split(part):
                 out.append({".": "@.@", ",": "@,@"}.get(piece, piece))
         else:
             out.append(part)
@@ -90,7 +95,7 @@ def _split_middle(chunk: str, r: Rules) -> list[str]:
 
 def split_chunk(chunk: str, after: str, r: Rules) -> list[str]:
     """Tokens of one space-free chunk of de-tokenized text; `after` is the text that follows it."""
-    if not chunk:
+    if not chunk or chunk.isalnum():   # nothing glued to a plain word
         return [chunk]
     left, right = [], []
     quotes = r.quote + ('"' if r.open_close_quotes else "")
