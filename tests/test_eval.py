@@ -541,7 +541,7 @@ def test_cli_eval_prints_metric_protocol_and_writes_json_and_markdown(models, to
     cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--no-detokenize", "-o", str(tmp_path / "r.json")])
     out = capsys.readouterr().out
     saved = json.loads((tmp_path / "r.json").read_text())
-    assert "ptb de-tokenizer off" in saved["protocol"] and f"| ppl | {saved['ppl']:.4g} |" in out
+    assert "ptb de-tokenizer off" in saved["protocol"] and f"| ppl | {saved['ppl']:.2f} |" in out
     assert (tmp_path / "r.md").read_text().startswith("| ptb | ours | paper |")
     (tmp_path / "suite" / "ptb").mkdir(parents=True)
     (tmp_path / "suite" / "ptb" / "ptb.test.txt").write_bytes(ptb.read_bytes())

@@ -275,7 +275,9 @@ def cmd_eval(args):
     bars = {}
 
     def progress(task, done, total, metrics):
-        bar = bars.setdefault(task, tqdm(desc=task, total=total, disable=args.json, leave=False))
+        if task not in bars:
+            bars[task] = tqdm(desc=task, total=total, disable=args.json, leave=False)
+        bar = bars[task]
         bar.update(done - bar.n)
         bar.set_postfix(metrics)
 

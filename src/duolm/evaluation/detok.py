@@ -135,6 +135,7 @@ def _surfaces(toks: list[str], r: Rules) -> list[str]:
 def _chunks(tokens: list[str], r: Rules) -> list[tuple[int, int]]:
     """Group tokens into chunks written without spaces -> [(first token index, end index)]."""
     n = len(tokens)
+    closers, openers = set(r.closers), set(r.openers)          # one-character tokens
     quotes = [i for i, t in enumerate(tokens) if t == r.quote] if r.quote else []
     opens, closes = set(quotes[0::2]), set(quotes[1::2])
     if r.open_close_quotes:
@@ -156,8 +157,8 @@ def _chunks(tokens: list[str], r: Rules) -> list[tuple[int, int]]:
                     i += 2
                     continue
                 break
-            want = (tok in r.closers or i in closes or (r.period and tok == ".") or tok in r.clitics
-                    or prev in r.openers or (i - 1) in opens or (r.equals and tok == prev == "="))
+            want = (tok in closers or i in closes or (r.period and tok == ".") or tok in r.clitics
+                    or prev in openers or (i - 1) in opens or (r.equals and tok == prev == "="))
             if not (want and tok and prev and ok(start, i + 1)):
                 break
             i += 1

@@ -166,5 +166,5 @@ def markdown(result: dict) -> str:
     lines = [f"| {result['task']} | ours | paper{' (' + paper['model'] + ')' if paper else ''} |", "|---|---|---|"]
     for key in METRICS:
         if key in result:
-            lines.append(f"| {key} | {result[key]:.4g} | {paper['value'] if paper.get('metric') == key else ''} |")
+            lines.append(f"| {key} | {result[key]:.2f} | {paper['value'] if paper.get('metric') == key else ''} |")
     return "\n".join(lines) + f"\n\nprotocol: {result['protocol']}"
