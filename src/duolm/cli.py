@@ -28,15 +28,13 @@ def add_options(parser, cls) -> None:
                                 help=meta.get("help"))
         else:
             parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
-                                help=f"{meta.get('help', '')} (default: {f.default})")
+                                help=meta.get("help", "") + ("" if f.default is None else f" (default: {f.default})"))
 
 
 def options(cls, args):
     """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults)."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
 
-
-# --- tokenizer --------------------------------------------------------------------------------
 
 def cmd_tokenizer_train(args):
     from duolm.tokenizers import train_tokenizer
@@ -52,11 +50,8 @@ def cmd_tokenizer_encode(args):
     from duolm.tokenizers import load_tokenizer, show_pieces
 
     ids, pieces = show_pieces(load_tokenizer(args.dir), args.text, allow_special=args.allow_special)
-    rule = "special tokens typed in the text are encoded as special" if args.allow_special else \
-        "special tokens typed in the text are plain text (--allow-special to encode them as special)"
-    print("ids:   ", ids)
-    print("pieces:", pieces)
-    print("rule:  ", rule)
+    print("ids:   ", ids, "\npieces:", pieces, "\nrule:   special tokens typed in the text are " +
+          ("encoded as special" if args.allow_special else "plain text (--allow-special to encode them as special)"))
 
 
 def _add_tokenizer(sub):
@@ -77,8 +72,6 @@ def _add_tokenizer(sub):
     e.set_defaults(func=cmd_tokenizer_encode)
 
 
-# --- convert / prepare ------------------------------------------------------------------------
-
 def cmd_convert(args):
     from duolm.checkpoint import load, save
 
@@ -91,7 +84,8 @@ def cmd_convert(args):
 
 def _add_convert(sub):
     p = sub.add_parser("convert", help="convert a model directory between duolm and Hugging Face formats")
-    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert) or training-run directory")
+    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert), original TensorFlow release or training-run "
+                               "directory, or a model name in the local Hugging Face cache (e.g. gpt2)")
     p.add_argument("dst", help="output directory (created; files in it are replaced)")
     p.add_argument("--to", choices=["duolm", "hf"], default="duolm", help="output format (default: duolm)")
     p.set_defaults(func=cmd_convert)
@@ -106,8 +100,8 @@ def cmd_prepare(args):
     tok = load_tokenizer(args.tokenizer)
     with tqdm(total=0, unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True, disable=args.quiet) as bar:
         meta = prepare(args.files, tok, args.out, workers=args.workers, val_fraction=args.val_fraction,
-                       shard_size=args.shard_size, progress=lambda done, total: bar.update(done - bar.n) or
-                       setattr(bar, "total", total))
+                       shard_size=args.shard_size, progress=lambda done, total:
+                       (setattr(bar, "total", total), bar.update(done - bar.n)))
     for split, m in meta["splits"].items():
         extra = f", {m['sentences']:,} sentences" if "sentences" in m else ""
         print(f"{split}: {m['tokens']:,} tokens, {m['documents']:,} documents{extra} in {len(m['shards'])} shard(s)")
@@ -131,41 +125,47 @@ def _add_prepare(sub):
     p.set_defaults(func=cmd_prepare)
 
 
-# --- pretrain ---------------------------------------------------------------------------------
+class Progress:
+    """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
+    printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
+
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
+        self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
+
+    def start(self, model, device, step):
+        from tqdm import tqdm
+
+        print(f"{self.name}: {model.num_params():,} parameters on {device}" + (f"; resuming at step {step}" if step else ""))
+        self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
+
+    def __call__(self, row):
+        import math
+
+        if "loss" in row:
+            self.bar.update(row["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        val = {k[4:]: v for k, v in row.items() if k.startswith("val_")}
+        if val:
+            ppl = f" (perplexity {math.exp(min(val['loss'], 50)):.2f})" if self.perplexity and "loss" in val else ""
+            self.bar.write(f"step {row['step']}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) + ppl)
+        if row.get("nonfinite"):
+            self.bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
 
 def cmd_pretrain(args):
-    import math
-
-    from tqdm import tqdm
-
     from duolm.train import ModelConfig, TrainConfig, pretrain
 
-    bar = None
-
-    def on_start(model, device, start):
-        nonlocal bar
-        print(f"{args.family} {args.preset}: {model.num_params():,} parameters on {device}; run folder {args.out}"
-              + (f"; resuming at step {start}" if start else ""))
-        bar = tqdm(total=args.max_steps, initial=start, unit="step", dynamic_ncols=True, disable=args.quiet)
-
-    def on_log(row):
-        if "loss" in row:
-            bar.update(row["step"] - bar.n)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if "val_loss" in row:
-            extra = "".join(f" {k[4:]} {v:.4f}" for k, v in row.items() if k.startswith("val_") and k != "val_loss")
-            ppl = f" ppl {math.exp(min(row['val_loss'], 50)):.2f}" if args.family == "gpt2" else ""
-            tqdm.write(f"step {row['step']}: val loss {row['val_loss']:.4f}{ppl}{extra}")
-        if row.get("nonfinite"):
-            tqdm.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
-
+    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2")
     try:
         r = pretrain(args.family, args.data, args.out, options(ModelConfig, args), options(TrainConfig, args),
-                     resume=args.resume, device=args.device, on_start=on_start, on_log=on_log)
+                     resume=args.resume, device=args.device, on_start=progress.start, on_log=progress)
     finally:
-        if bar is not None:
-            bar.close()
-    if bar is not None:
+        progress.close()
+    if progress.bar is not None:
         print(f"{'stopped by SIGTERM' if r['stopped'] else 'done'} at step {r['step']}; checkpoint "
               f"{args.out}/ckpt-{r['saved_at']:08d}; metrics {args.out}/metrics.jsonl"
               + (f"; loss curve {r['plot']}" if r.get("plot") else ""))
@@ -186,8 +186,6 @@ def _add_pretrain(sub):
     add_options(p.add_argument_group("training"), TrainConfig)
     p.set_defaults(func=cmd_pretrain)
 
-
-# --- generate / fill-mask -----------------------------------------------------------------------
 
 def cmd_generate(args):
     from duolm.checkpoint import load
@@ -213,15 +211,15 @@ def cmd_generate(args):
             sys.stdout.flush()
     print()
     if gen.stop_reason == StopReason.CONTEXT:
-        print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full; use a shorter "
-              f"prompt or --truncate left", file=sys.stderr)
+        print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
 
 
 def _add_generate(sub):
     p = sub.add_parser("generate", help="continue a prompt with a GPT-2 model",
                        description="Prints the prompt and its continuation; stops at <|endoftext|>, a --stop "
                                    "string, --max-new-tokens or the end of the context window.")
-    p.add_argument("dir", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("dir", help="model directory (duolm, Hugging Face, TensorFlow release, or a training run) "
+                               "or a model name in the local Hugging Face cache")
     p.add_argument("prompt", help="text to continue (may be empty: then it starts from <|endoftext|>)")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
@@ -239,8 +237,7 @@ def _add_generate(sub):
                    help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
     p.add_argument("--quantize", choices=["int8", "bf16"], default=None,
                    help="weight-only int8/bf16 matmuls: faster CPU decoding, slightly different numbers")
-    p.add_argument("--plain-layout", action="store_true",
-                   help="skip the fp32 decode layout (~380 MB more for GPT-2 124M, ~1.4x faster, same numbers)")
+    p.add_argument("--plain-layout", action="store_true", help="skip the fp32 decode layout (saves ~380 MB for 124M)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -266,9 +263,62 @@ def _add_fill_mask(sub):
     p.set_defaults(func=cmd_fill_mask)
 
 
+def cmd_eval(args):
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from duolm.checkpoint import load
+    from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
+    from duolm.fileio import write_json, write_text
+
+    if not ((args.task and args.data) or (args.suite and args.data_dir)):
+        raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
+    model, tok = load(args.model)
+    bars = {}
+
+    def progress(task, done, total, metrics):
+        if task not in bars:
+            bars[task] = tqdm(desc=task, total=total, disable=args.json, leave=False)
+        bar = bars[task]
+        bar.update(done - bar.n)
+        bar.set_postfix(metrics)
+
+    opts = dataclasses.asdict(options(EvalOptions, args))
+    try:
+        result = (run_suite(model, tok, args.data_dir, progress, **opts) if args.suite else
+                  evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    table = markdown(result)
+    if args.out:
+        write_json(args.out, result)
+        write_text(Path(args.out).with_suffix(".md"), table + "\n")
+    print(json.dumps(result) if args.json else table)
+
+
+def _add_eval(sub):
+    from duolm.evaluation import TASKS, EvalOptions
+
+    p = sub.add_parser("eval", help="zero-shot evaluation of a GPT-2 model with the GPT-2 paper's protocols",
+                       description="Perplexity per word / bits per byte with sliding windows and invertible "
+                                   "de-tokenizers, LAMBADA, CBT, and the prompted tasks; prints each metric with "
+                                   "its protocol and, for the released GPT-2 sizes, the paper's number.")
+    p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("--task", choices=list(TASKS), help="one task, with --data")
+    p.add_argument("--data", help="the task's file (for translate: either file of the aligned pair)")
+    p.add_argument("--suite", choices=["gpt2-paper"], help="every Table 3 task whose file is in --data-dir")
+    p.add_argument("--data-dir", help="folder of the suite's files")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("-o", "--out", help="write the result as JSON here and the markdown table beside it (.md)")
+    add_options(p.add_argument_group("protocol"), EvalOptions)
+    p.set_defaults(func=cmd_eval)
+
+
 def cmd_demo(args):
     from duolm.demo import run
-
     run(args.out, text=args.text, gpt2_steps=args.gpt2_steps, bert_steps=args.bert_steps)
 
 
@@ -283,7 +333,7 @@ def _add_demo(sub):
 
 # --- finetune / predict / evaluate ----------------------------------------------------------------
 
-def _add_task_data(p, required_task=True):
+def _add_task_data(p):
     p.add_argument("--data", default=None, help="GLUE task folder (train.tsv, dev.tsv, test.tsv)")
     p.add_argument("--train", default=None, help="your training file (.csv, .tsv or .jsonl with named columns)")
     p.add_argument("--dev", default=None, help="your dev file (same columns)")
@@ -461,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for add in (_add_tokenizer, _add_convert, _add_prepare, _add_pretrain, _add_finetune, _add_predict, _add_evaluate,
-                _add_generate, _add_fill_mask, _add_demo):
+                _add_generate, _add_fill_mask, _add_eval, _add_demo):
         add(sub)
     return parser
 

@@ -121,8 +121,11 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer
     """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs."""
     def write(folder):
         save(model, folder, tokenizer=tokenizer)
-        with open(folder / TRAIN_STATE, "wb") as f:
-            torch.save(state, f)
+        try:
+            with open(folder / TRAIN_STATE, "wb") as f:
+                torch.save(state, f)
+        except RuntimeError as e:      # torch reports a failed write (a full disk) as a RuntimeError
+            raise OSError(f"could not write {folder / TRAIN_STATE} ({e})") from None
     return runs.save_checkpoint(run_dir, step, write, keep_last, best)
 
 
