@@ -9,11 +9,11 @@ import torch
 
 from duolm.checkpoint import load
 from duolm.data.features import TaskBatches
-from duolm.data.tasks import Question, Sentence, read_conll, read_squad, tag_scheme
+from duolm.data.tasks import Sentence, read_conll, read_squad, tag_scheme
 from duolm.data.token_tasks import (IGNORE, SpanFeatures, collate_spans, collate_tags, max_context, span_features,
                                     tag_features, windows, word_pieces)
 from duolm.models.heads import HeadConfig, attach_head
-from duolm.train import TrainConfig, lr_at, train
+from duolm.train import TrainConfig, train
 from duolm.train.token_tasks import token_objective
 from test_finetune import _reference_losses, minilm_dir
 
