@@ -70,7 +70,6 @@ def token_objective(kind: str) -> Objective:
     raise ValueError(f"a token task is tag or span, not {kind!r}")
 
 
-
 # --- data -------------------------------------------------------------------------------------------------
 
 def load_data(task: str, data=None, train_file=None, dev_file=None, dev_fraction: float = 0.0):
