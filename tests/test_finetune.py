@@ -432,8 +432,9 @@ def test_finetune_seeds_results_and_best_model(tiny_bert_dir, sst2_csv, tmp_path
     assert json.loads((tmp_path / "run" / "results.json").read_text())["mean"] == res["mean"]
     table = (tmp_path / "run" / "results.md").read_text()
     assert "| seed-1 |" in table and f"{100 * res['mean']['accuracy']:.2f} ± " in table
-    evals = [r for r in rows if "val_accuracy" in r]
-    assert [r["step"] for r in evals] == [0, 6, 12] * 2                      # before training, after each epoch
+    assert [r["step"] for r in rows if "val_accuracy" in r] == [6, 12] * 2           # after each epoch
+    assert [r["step"] for r in rows if "init_accuracy" in r] == [0, 0]              # the untrained baseline
+    assert all(r["step"] > 0 for r in res["runs"])                                  # never selected
 
     model, tok = load_finetuned(tmp_path / "run")                            # run/best: the best seed's best epoch
     assert model.head.labels == ["neg", "pos"] and model.head.task == "classify"
@@ -460,6 +461,24 @@ def test_finetune_resumes_exactly(tiny_bert_dir, sst2_csv, tmp_path, one_thread)
     assert resumed["runs"][0]["metrics"] == whole["runs"][0]["metrics"]
     a, b = (load(tmp_path / d)[0].state_dict() for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_stops_every_run_and_resume_finishes(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
+    import os
+    import signal
+
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=1, max_length=16, seeds=2)
+    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
+              label_column="sentiment")
+
+    def term(row):
+        if row["step"] == 2:
+            os.kill(os.getpid(), signal.SIGTERM)          # train() finishes the step, saves, returns
+    with pytest.raises(InterruptedError, match=r"stopped by SIGTERM at step 2 of .*seed-0 \(saved; --resume"):
+        finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, on_log=term, **kw)
+    assert not (tmp_path / "r" / "seed-1").exists()         # the next seed never started
+    res = finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, resume=True, **kw)
+    assert [r["step"] for r in res["runs"]] == [6, 6]
 
 
 def test_gpt_finetune_with_lm_loss_and_both_orders(tiny_gpt2_dir, data_dir, tmp_path, one_thread):

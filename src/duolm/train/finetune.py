@@ -23,7 +23,7 @@ from duolm.data.tasks import GLUE
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, attach_head
-from duolm.runs import read_metrics, replace_folder
+from duolm.runs import read_manifest, read_metrics, replace_folder
 from duolm.train import sentence_tasks, token_tasks
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, train
@@ -117,6 +117,18 @@ def predict(model, tokenizer, inputs, batch_size: int = 64) -> list:
 
 # --- fine-tuning -------------------------------------------------------------------------------------
 
+def _untrained_as_baseline(validate, fresh: bool):
+    """train() validates a fresh run once before its first step: those metrics are logged as init_<metric>
+    (the untrained model's baseline), so that neither best/ nor the results can be the untrained model."""
+    calls = [0 if fresh else 1]
+
+    def wrapped(model):
+        calls[0] += 1
+        out = validate(model)
+        return {"init_" + k.removeprefix("val_"): v for k, v in out.items()} if calls[0] == 1 else out
+    return wrapped
+
+
 def _one_run(base, tok, task: dict, cfg: FinetuneConfig, lr: float, seed: int, run_dir, device, resume,
              on_log) -> dict:
     """One seed at one learning rate: train() with the task's batches, loss and validation; -> the dev metrics
@@ -129,8 +141,11 @@ def _one_run(base, tok, task: dict, cfg: FinetuneConfig, lr: float, seed: int, r
                      warmup_steps=round(cfg.warmup * max_steps), decay="linear", weight_decay=cfg.weight_decay,
                      betas=(0.9, 0.999), eps=1e-6, grad_clip=cfg.grad_clip, eval_every=cfg.eval_every or per_epoch,
                      checkpoint_every=per_epoch, keep_last=1, seed=seed, compile=cfg.compile, select_metric=main)
-    train(model, task["objective"], TaskBatches(task["train"], seed, task["collate"]), tc, run_dir,
-          validate=task["validate"], tokenizer=tok, resume=resume, on_log=on_log)
+    out = train(model, task["objective"], TaskBatches(task["train"], seed, task["collate"]), tc, run_dir,
+                validate=_untrained_as_baseline(task["validate"], fresh=not (resume and read_manifest(run_dir))),
+                tokenizer=tok, resume=resume, on_log=on_log)
+    if out["stopped"]:
+        raise InterruptedError(f"stopped by SIGTERM at step {out['step']} of {run_dir} (saved; --resume continues)")
     plot_run(run_dir)
     evals = [r for r in read_metrics(run_dir) if isinstance(r.get(main), float) and not math.isnan(r[main])]
     best = max(evals, key=lambda r: r[main]) if evals else {"step": max_steps}
