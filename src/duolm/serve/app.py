@@ -145,8 +145,12 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
     async def completions(body: CompletionRequest, request: Request):
         need(family == "gpt2", "/v1/completions", "a GPT-2 model")
         check_model(body.model)
-        prompts = await run_in_threadpool(encode_prompts, body, tokenizer, cfg.block_size)
-        admit()
+        admit()                                 # before any work: a full server answers at once
+        try:
+            prompts = await run_in_threadpool(encode_prompts, body, tokenizer, cfg.block_size)
+        except BaseException:
+            admission.leave()
+            raise
         queue: asyncio.Queue = asyncio.Queue()
         comp = Completion(body, prompts, tokenizer, opts.model_name)
         rows = make_rows(body, prompts, tokenizer, _threadsafe_put(queue))
@@ -179,10 +183,12 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
     # schemas.py, a batched function items -> results over the model, and a route that validates,
     # admits and awaits worker.submit(fn, items).
 
-    async def run_batch(fn, items):
+    async def run_batch(fn, inputs):
+        """Admit, build the items (inputs() in a worker thread: tokenizing), run fn on them in a batch."""
         admit()
         try:
-            return await asyncio.wrap_future(worker.submit(fn, items))
+            items = await run_in_threadpool(inputs)
+            return items, await asyncio.wrap_future(worker.submit(fn, items))
         finally:
             admission.leave()
 
@@ -194,8 +200,8 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
         check_model(body.model)
         if body.dimensions is not None and body.dimensions != cfg.n_embd:
             raise APIError(400, f"dimensions: this model's embeddings have {cfg.n_embd} dimensions", "dimensions")
-        ids = await run_in_threadpool(_bert_inputs, body.input, tokenizer, opts.pooling.max_length or cfg.block_size)
-        vecs = await run_batch(embed_fn, ids)
+        limit = opts.pooling.max_length or cfg.block_size
+        ids, vecs = await run_batch(embed_fn, lambda: _bert_inputs(body.input, tokenizer, limit))
         if body.encoding_format == "base64":
             data = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vecs]
         else:
@@ -212,11 +218,14 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
         need(family == "bert" and hasattr(model, "mlm"), "/v1/fill-mask", "a BERT model with its masked-LM head")
         check_model(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
-        ids = await run_in_threadpool(_bert_inputs, texts, tokenizer, cfg.block_size)
-        for i, x in enumerate(ids):
-            if tokenizer.mask_id not in x:
-                raise APIError(400, f"input[{i}] has no [MASK] token to fill", "input")
-        results = await run_batch(fill_fn, [(x, body.top_k) for x in ids])
+
+        def inputs():
+            ids = _bert_inputs(texts, tokenizer, cfg.block_size)
+            for i, x in enumerate(ids):
+                if tokenizer.mask_id not in x:
+                    raise APIError(400, f"input[{i}] has no [MASK] token to fill", "input")
+            return [(x, body.top_k) for x in ids]
+        _, results = await run_batch(fill_fn, inputs)
         data = [{"index": i, "masks": [[{"token": t, "token_str": tokenizer.decode([t], skip_special=False),
                                          "score": p} for t, p in cands] for cands in masks]}
                 for i, masks in enumerate(results)]
