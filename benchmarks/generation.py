@@ -7,14 +7,14 @@ decoding is memory-bound: every token reads all weights once, so the bound is (m
 measured here) / (bytes read per token). Next to it, the matvec bound: one pass of F.linear over
 all weights with a single row, i.e. what the CPU's BLAS gemv reaches on this layout.
 
-A third row, "duolm, decode layout", is the same fp32 model through duolm.quant's "decode" mode
+A third row, "duolm, decode layout", is the same fp32 model through duolm.decoding.decode_layout
 (what `duolm generate` uses for fp32): one-row matmuls read contiguous (in, out) copies of c_attn,
 attn.c_proj, c_fc and the tied output layer, which MKL's gemv streams faster than nn.Linear's
 (out, in). Same numbers up to fp32 rounding (the ids must equal); the cost is memory, the copies sit
 beside the shared originals (for 124M: +226 MB of block matrices, +154 MB for the output layer,
 whose (out, in) matrix is the token embedding wte).
 
-Then the opt-in weight-only modes (duolm.quant: int8 and bf16 matmul weights) at batch 1: their
+Then the opt-in weight-only modes (duolm.decoding.quantize: int8 and bf16 matmul weights) at batch 1: their
 speed against fp32 in the same run and what they change in the numbers:
   * on the 124M random weights, KL(fp32 || quantized) and top-1 agreement of next-token
     distributions on a WikiText-2 test slice (perplexity of random weights means nothing);
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
 from duolm.models import GPT2, GPT2Config
-from duolm.quant import quantize
+from duolm.decoding import decode_layout, quantize
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
@@ -181,7 +181,7 @@ def main():
           f"GPT-2 124M random weights ({ours.num_params():,} params), prompt {P} tokens, {N} new, greedy")
 
     bw = bandwidth_gbs()
-    dec = quantize(ours, "decode")
+    dec = decode_layout(ours)
     extra = sum(b.numel() * b.element_size() for b in dec.buffers())
     ours_run(ours, prompts8[:1], 4), ours_run(dec, prompts8[:1], 4), hf_run(hf, prompts8[:1], 4)  # warm-up
     results = {}
@@ -218,7 +218,7 @@ def main():
     del dec
 
     # weight-only int8 / bf16 at batch 1, against fp32 in the same run
-    print("\nweight-only modes, batch 1 (duolm.quant; fp32 activations, LayerNorm and KV cache):")
+    print("\nweight-only modes, batch 1 (duolm.decoding; fp32 activations, LayerNorm and KV cache):")
     # Interleaved, best of 3 short runs each: on a shared machine the fastest run is the one least
     # disturbed by other processes.
     qs = {"fp32": ours, "int8": quantize(ours, "int8"), "bf16": quantize(ours, "bf16")}

@@ -100,10 +100,10 @@ def run_case(name, ours_step, theirs_step, tokens, flops_per_token, probe_shapes
 # ---------------------------------------------------------------------------------------------
 # GPT-2
 
-def gpt2_pair(pad_vocab: int):
+def gpt2_pair():
     torch.manual_seed(0)
     cfg = GPT2Config.preset("gpt2")
-    ours = GPT2(GPT2Config.preset("gpt2", pad_vocab_multiple=pad_vocab))
+    ours = GPT2(GPT2Config.preset("gpt2"))
     theirs = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg), attn_implementation="sdpa"))
     theirs.load_state_dict(conv.gpt2_to_hf(ours.state_dict()))
@@ -119,8 +119,8 @@ def lm_loss(logits, x):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
 
-def case_gpt2_train(rounds, pad_vocab):
-    cfg, ours, theirs = gpt2_pair(pad_vocab)
+def case_gpt2_train(rounds):
+    cfg, ours, theirs = gpt2_pair()
     B, T = 4, 256
     x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
     opt_o = torch.optim.AdamW(ours.parameters(), lr=1e-5, fused=True)
@@ -135,13 +135,13 @@ def case_gpt2_train(rounds, pad_vocab):
 
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, 4 * C), (B * T, 4 * C, C), (B * T, C, aligned(cfg.vocab_size))]
-    return run_case(f"GPT-2 124M training step {B}x{T} (fwd+bwd+AdamW){' pad_vocab=%d' % pad_vocab if pad_vocab > 1 else ''}",
+    return run_case(f"GPT-2 124M training step {B}x{T} (fwd+bwd+AdamW)",
                     lambda: step(ours, opt_o, lambda o: o), lambda: step(theirs, opt_t, lambda o: o.logits),
                     B * T, 3 * gpt2_flops(cfg, T), probe, rounds)
 
 
-def case_gpt2_infer(rounds, pad_vocab):
-    cfg, ours, theirs = gpt2_pair(pad_vocab)
+def case_gpt2_infer(rounds):
+    cfg, ours, theirs = gpt2_pair()
     B, T = 8, 256
     x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
     ours.eval(), theirs.eval()
@@ -154,7 +154,7 @@ def case_gpt2_infer(rounds, pad_vocab):
 
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, 4 * C), (B * T, 4 * C, C), (B * T, C, aligned(cfg.vocab_size))]
-    return run_case(f"GPT-2 124M inference forward {B}x{T}{' pad_vocab=%d' % pad_vocab if pad_vocab > 1 else ''}",
+    return run_case(f"GPT-2 124M inference forward {B}x{T}",
                     lambda: step(ours), lambda: step(theirs), B * T, gpt2_flops(cfg, T), probe, rounds)
 
 
@@ -248,15 +248,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="gpt2-train,gpt2-infer,bert-train,bert-infer")
-    ap.add_argument("--pad-vocab", type=int, default=1, help="our GPT2Config.pad_vocab_multiple (1 = as the preset)")
     ap.add_argument("--mlm-masked-only", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
     cases = {
-        "gpt2-train": lambda: case_gpt2_train(args.rounds, args.pad_vocab),
-        "gpt2-infer": lambda: case_gpt2_infer(args.rounds, args.pad_vocab),
+        "gpt2-train": lambda: case_gpt2_train(args.rounds),
+        "gpt2-infer": lambda: case_gpt2_infer(args.rounds),
         "bert-train": lambda: case_bert_train(args.rounds, args.mlm_masked_only),
         "bert-infer": lambda: case_bert_infer(args.rounds),
     }

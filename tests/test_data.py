@@ -557,9 +557,9 @@ def test_prepare_gpt2_chunks_encode_exactly_as_tiktoken_whole_files(tmp_path, da
     assert stream.dtype == np.uint16 and stream.tolist() == want
     assert m["eot_id"] == 50256 and m["vocab_size"] == 50257 and m["splits"]["train"]["documents"] == 2
     # the saved tokenizer comes back from the data directory
-    from duolm.data import load_tokenizer
+    from duolm.tokenizers import load_tokenizer
 
-    assert load_tokenizer(tmp_path / "d").encode_ordinary("Hello world") == ref.encode_ordinary("Hello world")
+    assert load_tokenizer(tmp_path / "d" / "tokenizer").encode_ordinary("Hello world") == ref.encode_ordinary("Hello world")
 
 
 def test_prepare_wordpiece_ptb_and_bert_batches(tmp_path, data_dir, bert_tok):

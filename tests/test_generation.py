@@ -259,8 +259,8 @@ def test_multi_token_stop_sequence_stops_one_prompt(pair):
     assert [t for t in got0 if t is not None] == free[0][:end]
     assert all(t is None for t in got0[end:])
     assert gen.stop_reasons[0] == StopReason.STOP
-    if not any(free[1][i:i + 2] == stop for i in range(11)):
-        assert [s[1] for s in steps] == free[1] and gen.stop_reasons[1] == StopReason.MAX_NEW_TOKENS
+    assert not any(free[1][i:i + 2] == stop for i in range(11))     # prompt 1 never meets it: it runs on
+    assert [s[1] for s in steps] == free[1] and gen.stop_reasons[1] == StopReason.MAX_NEW_TOKENS
     assert gen.tokens[0] == free[0][:end]
 
 
@@ -334,7 +334,7 @@ def test_fill_mask_equals_transformers():
 
 @pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("bf16", 0.03)])
 def test_weight_only_logits_close_to_fp32(mode, tol):
-    from duolm.quant import quantize
+    from duolm.decoding import quantize
     torch.manual_seed(0)
     model = GPT2(_tiny_config()).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -360,13 +360,12 @@ def test_weight_only_logits_close_to_fp32(mode, tol):
         quantize(model, "int4")
 
 
-@pytest.mark.parametrize("pad", [1, 64])
-def test_decode_layout_matches_plain(pad):
-    from duolm.quant import DECODE_KINDS, DecodeGPT2, DecodeLinear, quantize
+def test_decode_layout_matches_plain():
+    from duolm.decoding import DECODE_KINDS, DecodeGPT2, DecodeLinear, decode_layout
     torch.manual_seed(0)
-    model = GPT2(_tiny_config(pad_vocab_multiple=pad)).eval()
+    model = GPT2(_tiny_config()).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    d = quantize(model, "decode")
+    d = decode_layout(model)
     everywhere = DecodeGPT2(model, max_rows=10**9)      # the (in, out) path for every input
     idx = torch.randint(0, 97, (2, 20))
     with torch.no_grad():

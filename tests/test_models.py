@@ -264,9 +264,13 @@ def test_bert_parameter_counts(name, count):
     assert m.num_params() == count
 
 
-def test_configs_round_trip_through_asdict():
-    for cfg in (GPT2Config.preset("gpt2-xl"), GPT2Config(pad_vocab_multiple=64), BertConfig.preset("bert-large")):
-        assert type(cfg)(**dataclasses.asdict(cfg)) == cfg
+def test_config_limits_and_presets():
+    for cls, field in ((GPT2Config, "vocab_size"), (BertConfig, "vocab_size"), (GPT2Config, "n_layer"),
+                       (BertConfig, "n_inner")):
+        with pytest.raises(ValueError, match=rf"{field}={2 ** 40} must be an integer in \[1, \d+\]"):
+            cls(**{field: 2 ** 40})
+        with pytest.raises(ValueError, match=rf"{field}=0 "):
+            cls(**{field: 0})
     with pytest.raises(ValueError, match="unknown GPT-2 preset"):
         GPT2Config.preset("gpt3")
     with pytest.raises(ValueError, match="divisible"):
@@ -332,44 +336,45 @@ def test_dropout_is_configurable_and_off_in_eval():
     torch.testing.assert_close(g0.train()(idx), g.eval()(idx), atol=0, rtol=0)
 
 
-def test_aligned_output_layer_equals_plain_linear():
+def test_output_layer_equals_plain_linear_with_its_gradients():
+    """The head's rows are padded to a multiple of 64 floats (a 500-word vocabulary has 512 embedding rows),
+    which never shows: logits, gradients and state dicts are those of the real 500 rows."""
     torch.manual_seed(15)
     m = GPT2(GPT2Config.preset("tiny", vocab_size=500))
+    assert m.wte.weight.shape[0] == 512 and m.state_dict()["wte.weight"].shape == (500, 64)
+    assert torch.equal(m.wte.weight[500:], torch.zeros(12, 64))
     idx = torch.randint(0, 500, (3, 10))
     h = m.hidden(idx)
     fast = m.head(h)
     assert fast.shape == (3, 10, 500) and fast.stride(-2) == 512     # rows padded to 64 floats
-    plain = torch.nn.functional.linear(h, m.wte.weight)
+    plain = torch.nn.functional.linear(h, m.wte.weight[:500])
     torch.testing.assert_close(fast, plain, atol=1e-6, rtol=0)
     target = torch.randint(0, 500, (30,))
-    g_fast = torch.autograd.grad(torch.nn.functional.cross_entropy(fast.view(-1, 500), target),
+    g_fast = torch.autograd.grad(torch.nn.functional.cross_entropy(fast.reshape(-1, 500), target),
                                  [m.wte.weight, m.ln_f.weight], retain_graph=True)
-    g_plain = torch.autograd.grad(torch.nn.functional.cross_entropy(plain.view(-1, 500), target),
+    g_plain = torch.autograd.grad(torch.nn.functional.cross_entropy(plain.reshape(-1, 500), target),
                                   [m.wte.weight, m.ln_f.weight])
     for a, b in zip(g_fast, g_plain):
         torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-5)
     with torch.inference_mode():
         torch.testing.assert_close(m(idx), plain, atol=1e-6, rtol=0)
+    assert m.num_params() == sum(p.numel() for p in m.parameters()) - 12 * 64
+    assert conv.gpt2_to_hf(m.state_dict())["transformer.wte.weight"].shape == (500, 64)
 
 
-@torch.no_grad()
-def test_pad_vocab_multiple_is_invisible():
-    ours, _ = gpt2_pair(vocab_size=512)
-    padded = GPT2(GPT2Config.preset("tiny", pad_vocab_multiple=96)).eval()
-    assert padded.wte.weight.shape[0] == 576
-    padded.load_state_dict(ours.state_dict())
-    sd = padded.state_dict()
-    assert sd["wte.weight"].shape == (512, 64) and sd.keys() == ours.state_dict().keys()
-    assert padded.num_params() == ours.num_params()
-    idx = torch.randint(0, 512, (2, 20))
+def test_forward_traces_without_graph_breaks():
+    """No host-device sync in forward: torch.compile(fullgraph=True) traces both families (masks included)."""
+    torch._dynamo.reset()
+    g = GPT2(GPT2Config.preset("tiny")).eval()
+    b = BertForPreTraining(BertConfig.preset("tiny")).eval()
+    idx = torch.randint(0, 512, (2, 12))
     mask = torch.ones_like(idx)
-    mask[1, :5] = 0
-    got = padded(idx, attention_mask=mask)
-    assert got.shape == (2, 20, 512)
-    torch.testing.assert_close(got, ours(idx, attention_mask=mask), atol=0, rtol=0)
-    assert torch.equal(padded.wte.weight[512:], torch.zeros(64, 64))
-    # HF export of a padded model has the real vocabulary only
-    assert conv.gpt2_to_hf(sd)["transformer.wte.weight"].shape == (512, 64)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(g, backend="eager", fullgraph=True)(idx, mask), g(idx, mask))
+        got = torch.compile(b, backend="eager", fullgraph=True)(idx, torch.zeros_like(idx), mask)
+        for x, y in zip(got, b(idx, torch.zeros_like(idx), mask)):
+            torch.testing.assert_close(x, y)
 
 
 # ------------------------------------------------------------------ bad input
@@ -381,8 +386,6 @@ def test_gpt2_bad_input_raises_before_compute():
         (torch.zeros(0, 4, dtype=torch.long), {}, "batch size 0"),
         (torch.zeros(2, 0, dtype=torch.long), {}, "sequence length 0"),
         (torch.zeros(1, 65, dtype=torch.long), {}, "65.*block_size=64"),
-        (torch.tensor([[1, -1]]), {}, "min -1"),
-        (torch.tensor([[1, 512]]), {}, r"\[0, 512\).*max 512"),
         (torch.zeros(1, 4), {}, "dtype"),
         (torch.zeros(2, 4, dtype=torch.long), {"attention_mask": torch.ones(2, 5)}, r"\(2, 4\).*\(2, 5\)"),
     ]
@@ -409,10 +412,6 @@ def test_bert_bad_input_raises_before_compute():
         m(torch.zeros(0, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="70.*block_size=64"):
         m(torch.zeros(1, 70, dtype=torch.long))
-    with pytest.raises(ValueError, match="max 600"):
-        m(torch.tensor([[1, 600]]))
-    with pytest.raises(ValueError, match="segment ids.*max 2"):
-        m(ok, segment_ids=torch.full((2, 4), 2))
     with pytest.raises(ValueError, match=r"segment_ids.*\(2, 3\)"):
         m(ok, segment_ids=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"attention_mask.*\(2, 4\).*\(4,\)"):
@@ -516,12 +515,13 @@ def test_real_pretrained_bert_weights_match_transformers():
 
 
 def test_gpt2_head_few_rows_equals_plain_linear():
-    # An odd vocabulary takes the aligned-output path; 2..16 rows (decoding a batch) go in
-    # vocabulary slices, more rows in one matmul. Both must equal F.linear.
+    # Without autograd 2..16 rows (decoding a batch) go in vocabulary slices, more rows in one matmul.
+    # Both must equal F.linear over the real vocabulary rows.
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=2500, block_size=16, n_layer=1, n_head=2, n_embd=32)
     model = GPT2(cfg).eval()
     for n in (1, 2, 8, 16, 17):
         h = torch.randn(n, cfg.n_embd)
-        ref = torch.nn.functional.linear(h, model.wte.weight)
-        assert torch.allclose(model.head(h), ref, atol=1e-5, rtol=1e-5)
+        ref = torch.nn.functional.linear(h, model.wte.weight[:2500])
+        with torch.no_grad():
+            assert torch.allclose(model.head(h), ref, atol=1e-5, rtol=1e-5)

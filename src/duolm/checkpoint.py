@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import re
+import struct
 import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -32,7 +32,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save_file as _st_save_file
 
+from duolm import runs
 from duolm.convert import hf as _hf
+from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 
@@ -43,17 +45,14 @@ WEIGHTS = "model.safetensors"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_BIN = "pytorch_model.bin"
 HF_BIN_INDEX = "pytorch_model.bin.index.json"
-MANIFEST = "checkpoint.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 
-# HF architectures we read, per model_type, and what they become.
-HF_ARCHITECTURES = {
-    "gpt2": ("GPT2LMHeadModel", "GPT2Model"),
-    "bert": ("BertModel", "BertForPreTraining", "BertForMaskedLM"),
-}
-# The only tensors that may be absent from a BERT checkpoint: HF's BertForMaskedLM (and BertModel
-# saved with add_pooling_layer=False) has no pooler and no NSP head. They are initialised fresh.
-_BERT_OPTIONAL = re.compile(r"^(bert\.)?pool\.|^nsp\.")
+# Keys of a BERT checkpoint that may be absent: HF's BertForMaskedLM (and BertModel saved with
+# add_pooling_layer=False) has no pooler and no NSP head. They are initialised fresh.
+_BERT_OPTIONAL = ("pool.", "bert.pool.", "nsp.")
+# Bounds on what a file may declare before anything is allocated.
+MAX_HEADER_BYTES = 100 << 20
+MAX_TENSORS = 100_000
 
 
 # --- load --------------------------------------------------------------------------------------
@@ -82,44 +81,18 @@ def load(path, device="cpu"):
         raise FileNotFoundError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ValueError(f"{path}: is a file; duolm.load expects a model directory (config.json + weights)")
-    if not (path / CONFIG).is_file() and (path / MANIFEST).is_file():
-        path = latest_checkpoint(path)
-    cfg = _read_json(path / CONFIG)
+    if not (path / CONFIG).is_file() and runs.is_run(path):
+        path = runs.latest_checkpoint(path)
+    cfg = read_json(path / CONFIG, f"{CONFIG} (a model directory holds {CONFIG} and its weights)")
     if cfg.get("format") == FORMAT:
         model = _load_native(path, cfg)
     elif "model_type" in cfg:
         model = _load_hf(path, cfg)
     else:
-        raise ValueError(
-            f"{path / CONFIG}: neither a duolm config (\"format\": \"duolm\") nor a Hugging Face config "
-            f"(\"model_type\"); supported: duolm directories and HF model_type "
-            + ", ".join(sorted(HF_ARCHITECTURES)))
+        raise ValueError(f"{path / CONFIG}: neither a duolm config (\"format\": \"duolm\") nor a Hugging Face "
+                         f"config (\"model_type\"); duolm reads duolm directories and HF {_hf.SUPPORTED}")
     model.to(torch.device(device)).eval()
-    return model, load_tokenizer(path)
-
-
-def latest_checkpoint(run_dir) -> Path:
-    """The newest complete checkpoint folder of a training run, as named by RUN/checkpoint.json.
-
-    checkpoint.json is {"latest": "ckpt-00000100", "step": 100, "checkpoints": [folder names, oldest
-    first]}. It is written last, so what it names is complete; should a named folder be gone or lack
-    its files, the next newest listed one is taken.
-    """
-    run_dir = Path(run_dir)
-    manifest = _read_json(run_dir / MANIFEST)
-    listed = manifest.get("checkpoints", [])
-    if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
-        raise ValueError(f"{run_dir / MANIFEST}: \"checkpoints\" must be a list of folder names, got {listed!r}")
-    names = ([manifest["latest"]] if manifest.get("latest") else []) + listed[::-1]
-    for name in names:
-        if Path(name).is_absolute() or ".." in Path(name).parts:
-            raise ValueError(f"{run_dir / MANIFEST}: checkpoint name {name!r} points outside the run directory")
-        d = run_dir / name
-        if (d / CONFIG).is_file() and (d / WEIGHTS).is_file():
-            return d
-    raise FileNotFoundError(
-        f"{run_dir / MANIFEST}: names no complete checkpoint (tried {names or 'none'}; each needs "
-        f"{CONFIG} and {WEIGHTS})")
+    return model, load_tokenizer(path, required=False)
 
 
 def _load_native(path: Path, cfg: dict):
@@ -142,35 +115,25 @@ def _load_native(path: Path, cfg: dict):
     weights = path / WEIGHTS
     if not weights.is_file():
         raise FileNotFoundError(f"{path}: missing {WEIGHTS} (a duolm model directory holds {CONFIG} + {WEIGHTS})")
-    _load_state(model, _read_safetensors(weights), str(weights), optional=None)
+    _load_state(model, _read_safetensors(weights), str(weights))
     return model
 
 
 def _load_hf(path: Path, cfg: dict):
-    model_type = cfg.get("model_type")
-    if model_type not in HF_ARCHITECTURES:
-        raise ValueError(
-            f"{path / CONFIG}: Hugging Face model_type {model_type!r} is not supported; supported: "
-            + "; ".join(f"{t} ({', '.join(a)})" for t, a in HF_ARCHITECTURES.items()))
-    archs = cfg.get("architectures") or []
-    unsupported = [a for a in archs if a not in HF_ARCHITECTURES[model_type]]
-    if unsupported:
-        raise ValueError(
-            f"{path / CONFIG}: architecture {', '.join(unsupported)} is not supported for model_type "
-            f"{model_type!r}; supported: {', '.join(HF_ARCHITECTURES[model_type])}")
+    # The configs are checked first (model_type, architectures, unsupported options); the name tables
+    # drop HF's stale buffers and check that tied output tensors equal the embedding they are tied to.
+    sd, source = None, None
+    if cfg.get("model_type") == "gpt2":
+        model = _build(GPT2, _config_from_hf(_hf.gpt2_config_from_hf, cfg, path))
+        sd, source = _read_hf_weights(path)
+        _load_state(model, _from_hf(_hf.gpt2_from_hf, sd, source), source)
+        return model
+    config = _config_from_hf(_hf.bert_config_from_hf, cfg, path)
     sd, source = _read_hf_weights(path)
-    # The name tables drop HF's stale buffers (position_ids, causal-mask "attn.bias") and check
-    # that the tied output tensors (lm_head, MLM decoder) equal the embedding they are tied to.
-    if model_type == "gpt2":
-        config = _config_from_hf(_hf.gpt2_config_from_hf, cfg, path)
-        model = _build(GPT2, config)
-        _load_state(model, _from_hf(_hf.gpt2_from_hf, sd, source), source, optional=None)
-    else:
-        config = _config_from_hf(_hf.bert_config_from_hf, cfg, path)
-        ours, heads = _from_hf(_hf.bert_from_hf, sd, source)
-        heads = heads or any(a in ("BertForPreTraining", "BertForMaskedLM") for a in archs)
-        model = _build(BertForPreTraining if heads else Bert, config)
-        _load_state(model, ours, source, optional=_BERT_OPTIONAL)
+    ours, heads = _from_hf(_hf.bert_from_hf, sd, source)
+    heads = heads or any(a in ("BertForPreTraining", "BertForMaskedLM") for a in cfg.get("architectures") or [])
+    model = _build(BertForPreTraining if heads else Bert, config)
+    _load_state(model, ours, source, optional=_BERT_OPTIONAL)
     return model
 
 
@@ -205,7 +168,7 @@ def _read_hf_weights(path: Path):
 
 
 def _read_sharded(path: Path, index_name: str, read):
-    index = _read_json(path / index_name)
+    index = read_json(path / index_name)
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict):
         raise ValueError(f"{path / index_name}: no \"weight_map\" object")
@@ -220,31 +183,58 @@ def _read_sharded(path: Path, index_name: str, read):
     return sd, str(path / index_name)
 
 
+def check_safetensors_header(file: Path) -> None:
+    """Reject what the safetensors format forbids before the library reads it: a header longer than the
+    file or than MAX_HEADER_BYTES, more than MAX_TENSORS entries, and duplicate keys (safetensors keeps
+    the last, another reader the first: one file would mean two models)."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{file}: truncated or corrupt safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise ValueError(f"{file}: safetensors header length {n} runs past the file ({size} bytes) "
+                             f"or the {MAX_HEADER_BYTES}-byte limit; the file is truncated or corrupt")
+        raw = f.read(n)
+
+    def no_duplicates(pairs):
+        seen = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise ValueError(f"{file}: safetensors header names tensor {k!r} twice; refusing an ambiguous file")
+            seen.add(k)
+        if len(pairs) > MAX_TENSORS:
+            raise ValueError(f"{file}: safetensors header lists {len(pairs)} entries, over the limit {MAX_TENSORS}")
+        return dict(pairs)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{file}: safetensors header is not valid JSON ({e}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file}: safetensors header is not a JSON object; the file is corrupt")
+
+
 def _read_safetensors(file: Path) -> dict:
+    check_safetensors_header(file)
     try:
         return _st_load_file(str(file), device="cpu")
     except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise ValueError(
-            f"{file}: not a readable safetensors file ({e}); it may be truncated or corrupt — "
-            "re-download or re-save it") from None
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); it may be truncated or corrupt — "
+                         "re-download or re-save it") from None
 
 
 def _read_bin(file: Path) -> dict:
     """A pytorch_model.bin, read with weights_only=True: tensors and plain containers only."""
     try:
         sd = torch.load(str(file), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        # torch's message is long advice on how to load unsafely; keep just its reason line
-        lines = [re.sub(r"\x1b\[[0-9;]*m", "", ln).strip() for ln in str(e).splitlines()]
-        reason = next((ln for ln in lines if "Unpickler error" in ln or "Unsupported" in ln), None)
-        reason = (reason or next((ln for ln in lines if ln), type(e).__name__)).split("Unpickler error:")[-1]
-        reason = reason.split(". Please")[0].strip().rstrip(".")
-        raise ValueError(
-            f"{file}: refused — this pickle holds more than tensors, and unpickling it could run code "
-            f"({reason}). duolm never unpickles untrusted objects; if you trust the file, convert it "
-            "to model.safetensors with the tool that wrote it") from None
+    except pickle.UnpicklingError:
+        raise ValueError(f"{file}: refused as unsafe: this pickle holds more than tensors, and unpickling it "
+                         "could run code. duolm never unpickles untrusted objects; if you trust the file, "
+                         "convert it to model.safetensors with the tool that wrote it") from None
     except (RuntimeError, EOFError, OSError) as e:
-        raise ValueError(f"{file}: not a readable PyTorch weights file ({e}); it may be truncated or corrupt") from None
+        raise ValueError(f"{file}: not a readable PyTorch weights file ({type(e).__name__}); "
+                         "it may be truncated or corrupt") from None
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
@@ -271,54 +261,23 @@ def _build(cls, config):
         return cls(config)
 
 
-def _load_state(model, sd: dict, source: str, optional):
-    """Copy `sd` into `model`, checking names and shapes. Keys that alias one tensor in the model
-    (tied weights) may appear once; keys matching `optional` may be absent (they keep their init)."""
+def _load_state(model, sd: dict, source: str, optional=()):
+    """Copy `sd` into `model`, checking names, shapes and dtypes; keys starting with one of `optional`
+    may be absent (they keep their init)."""
     expected = model.state_dict()
-    aliases = _alias_groups(expected)
     unknown = sorted(set(sd) - set(expected))
-    if unknown:
-        raise ValueError(f"{source}: unexpected tensor(s) {unknown[:10]}{' ...' if len(unknown) > 10 else ''} "
-                         f"for {type(model).__name__}")
-    full = dict(sd)
-    missing = []
-    for k in expected:
-        if k in full:
-            continue
-        present = [a for a in aliases.get(k, ()) if a in sd]
-        if present:
-            full[k] = sd[present[0]]
-        elif optional is not None and optional.search(k):
-            full[k] = expected[k]
-        else:
-            missing.append(k)
-    if missing:
-        raise ValueError(f"{source}: missing tensor(s) {missing[:10]}{' ...' if len(missing) > 10 else ''} "
-                         f"for {type(model).__name__}")
-    for k, v in full.items():
+    missing = [k for k in expected if k not in sd and not k.startswith(tuple(optional))]
+    for what, keys in (("unexpected", unknown), ("missing", missing)):
+        if keys:
+            raise ValueError(f"{source}: {what} tensor(s) {keys[:10]}{' ...' if len(keys) > 10 else ''} "
+                             f"for {type(model).__name__}")
+    for k, v in sd.items():
         if tuple(v.shape) != tuple(expected[k].shape):
             raise ValueError(f"{source}: tensor {k} has shape {tuple(v.shape)}, the config needs "
                              f"{tuple(expected[k].shape)}")
         if not (v.is_floating_point() or v.dtype == expected[k].dtype):
             raise ValueError(f"{source}: tensor {k} has dtype {v.dtype}, expected {expected[k].dtype}")
-    model.load_state_dict(full, strict=True)
-
-
-def _alias_groups(sd: dict) -> dict:
-    """name -> other names that are the very same tensor (same storage, offset, shape, stride)."""
-    by_view = {}
-    for k, v in sd.items():
-        by_view.setdefault(_view_key(v), []).append(k)
-    groups = {}
-    for names in by_view.values():
-        if len(names) > 1:
-            for k in names:
-                groups[k] = [n for n in names if n != k]
-    return groups
-
-
-def _view_key(t: torch.Tensor):
-    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    model.load_state_dict({**expected, **sd}, strict=True)
 
 
 # --- save --------------------------------------------------------------------------------------
@@ -350,7 +309,7 @@ def save(model, path, tokenizer=None, format="duolm"):
         _save_safetensors(sd, path / WEIGHTS)
         if tokenizer is not None:
             _save_tokenizer(tokenizer, path)
-        _write_json(path / CONFIG, config)
+        write_json(path / CONFIG, config)
         return path
     if family == "gpt2":
         hf_sd = _hf.gpt2_to_hf(sd)
@@ -361,8 +320,8 @@ def save(model, path, tokenizer=None, format="duolm"):
     _save_safetensors(hf_sd, path / WEIGHTS)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)
-        _write_json(path / TOKENIZER_CONFIG, _hf_tokenizer_config(tokenizer, path, model.config))
-    _write_json(path / CONFIG, config)
+        write_json(path / TOKENIZER_CONFIG, _hf_tokenizer_config(tokenizer, path, model.config))
+    write_json(path / CONFIG, config)
     return path
 
 
@@ -388,25 +347,16 @@ def _family(model):
 
 
 def _save_safetensors(sd: dict, file: Path):
-    """Tied tensors are stored once (safetensors refuses shared storage): of each group of names for
-    one tensor, the first that is not HF's tied output name (lm_head.weight, the MLM decoder's) is
-    kept, as transformers itself writes them. Other storage sharing is cloned."""
-    groups = {}
-    for k, v in sd.items():
-        groups.setdefault(_view_key(v), []).append(k)
-    out = {}
-    for names in groups.values():
-        keep = min(names, key=lambda n: (n in _hf.HF_TIED_KEYS, names.index(n)))
-        out[keep] = sd[keep]
-    storages = {}
-    for k, v in out.items():
-        storages.setdefault((v.device, v.untyped_storage().data_ptr()), []).append(k)
-    for names in storages.values():
-        for k in names[1:] if len(names) > 1 else ():
-            out[k] = out[k].clone()
-    out = {k: v.to("cpu").contiguous() for k, v in out.items()}
-    out = {k: out[k] for k in sorted(out)}
-    _atomic(file, lambda tmp: _st_save_file(out, tmp, metadata={"format": "pt"}))
+    """HF's tied output names (lm_head.weight, the MLM decoder's) are left out, as transformers writes
+    them: it re-ties them on load, and safetensors refuses two names for one tensor."""
+    out = {k: sd[k].to("cpu").contiguous() for k in sorted(sd) if k not in _hf.HF_TIED_KEYS}
+
+    def write(tmp):
+        try:
+            _st_save_file(out, tmp, metadata={"format": "pt"})
+        except SafetensorError as e:   # the library reports a full disk as its own error type
+            raise OSError(f"could not write {file} ({e})") from None
+    atomic_write(file, write)
 
 
 def _save_tokenizer(tokenizer, path: Path):
@@ -422,7 +372,7 @@ def _save_tokenizer(tokenizer, path: Path):
 def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:
     """tokenizer_config.json that transformers' AutoTokenizer understands, keeping what the
     tokenizer itself wrote there (e.g. WordPiece's do_lower_case)."""
-    d = _read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}
+    d = read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}
     d["model_max_length"] = config.block_size
     if isinstance(tokenizer, WordPiece):
         d.update(tokenizer_class="BertTokenizer", do_lower_case=bool(tokenizer.lowercase),
@@ -435,49 +385,3 @@ def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:
     return d
 
 
-# --- small file helpers ------------------------------------------------------------------------
-
-def _atomic(file: Path, write):
-    """Run write(tmp_name) for a temp file in file's folder, fsync it, rename it over `file`."""
-    fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; give the file the usual permissions
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()
-
-
-def _write_json(file: Path, obj):
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, ensure_ascii=False)
-            f.write("\n")
-    _atomic(file, write)
-
-
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file}: missing (a model directory holds {CONFIG} and its weights)")
-    try:
-        with open(file, encoding="utf-8") as f:
-            obj = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{file}: expected a JSON object, got {type(obj).__name__}")
-    return obj

@@ -1,54 +1,55 @@
-"""The `duolm` command. Each subcommand wires library calls together; printing happens here only."""
+"""The `duolm` command. Each subcommand parses its arguments and wires library calls; printing happens
+here only. Options that configure a library call are the fields of its config dataclass (one set of
+defaults, help text from the fields). Expected failures print one line; `--debug` shows tracebacks."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+import typing
 
 
-# --- tokenizer --------------------------------------------------------------------------------
+# --- options from config dataclasses ------------------------------------------------------------
+
+def add_options(parser, cls) -> None:
+    """One --flag per field of dataclass `cls` (fields with metadata cli=False are left out)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if kind is bool:
+            flag = flag if not f.default else "--no-" + flag[2:]
+            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                                help=meta.get("help"))
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
+                                help=meta.get("help", "") + ("" if f.default is None else f" (default: {f.default})"))
+
+
+def options(cls, args):
+    """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
 
 def cmd_tokenizer_train(args):
-    import time
-    from pathlib import Path
-    from duolm.tokenizers import ByteLevelBPE, WordPiece
+    from duolm.tokenizers import train_tokenizer
 
-    missing = [f for f in args.files if not Path(f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"no such file: {', '.join(missing)}")
-
-    def lines():  # streamed, line by line
-        for f in args.files:
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                yield from fh
-
-    t0 = time.perf_counter()
-    if args.kind == "bpe":
-        tok = ByteLevelBPE.train(lines(), args.vocab_size, min_frequency=args.min_frequency, progress=True)
-    else:
-        tok = WordPiece.train(lines(), args.vocab_size, lowercase=not args.cased, progress=True,
-                              min_frequency=args.min_frequency)
+    tok = train_tokenizer(args.kind, args.files, args.vocab_size, min_frequency=args.min_frequency,
+                          lowercase=not args.cased, progress=True)
     tok.save(args.out)
-    mb = sum(Path(f).stat().st_size for f in args.files) / 1e6
-    print(f"trained {args.kind} tokenizer: vocab {tok.vocab_size} (asked {args.vocab_size}) from {len(args.files)} "
-          f"file(s), {mb:.1f} MB, in {time.perf_counter() - t0:.1f} s -> {args.out}")
+    print(f"trained {args.kind} tokenizer: vocab {tok.vocab_size} (asked {args.vocab_size}) from "
+          f"{len(args.files)} file(s) -> {args.out}")
 
 
 def cmd_tokenizer_encode(args):
-    from duolm.tokenizers import ByteLevelBPE, load_tokenizer
+    from duolm.tokenizers import load_tokenizer, show_pieces
 
-    tok = load_tokenizer(args.dir)
-    if tok is None:
-        raise FileNotFoundError(f"{args.dir} holds no tokenizer: expected vocab.json + merges.txt (BPE) or vocab.txt "
-                                f"(WordPiece); make one with `duolm tokenizer train`")
-    if isinstance(tok, ByteLevelBPE):
-        ids = tok.encode(args.text, allowed_special="all")
-        pieces = [tok.decode_bytes([i]) for i in ids]  # text, or the bytes of a piece of a character
-        pieces = [p.decode() if p.decode(errors="replace") == p.decode(errors="ignore") else str(p) for p in pieces]
-    else:
-        ids = tok.encode(args.text).ids
-        pieces = [tok.inv[i] for i in ids]
-    print("ids:   ", ids)
-    print("pieces:", pieces)
+    ids, pieces = show_pieces(load_tokenizer(args.dir), args.text, allow_special=args.allow_special)
+    print("ids:   ", ids, "\npieces:", pieces, "\nrule:   special tokens typed in the text are " +
+          ("encoded as special" if args.allow_special else "plain text (--allow-special to encode them as special)"))
 
 
 def _add_tokenizer(sub):
@@ -65,10 +66,9 @@ def _add_tokenizer(sub):
     e = tsub.add_parser("encode", help="print the ids and pieces of a text")
     e.add_argument("dir")
     e.add_argument("text")
+    e.add_argument("--allow-special", action="store_true", help="encode typed special tokens as special")
     e.set_defaults(func=cmd_tokenizer_encode)
 
-
-# --- convert ----------------------------------------------------------------------------------
 
 def cmd_convert(args):
     from duolm.checkpoint import load, save
@@ -88,190 +88,17 @@ def _add_convert(sub):
     p.set_defaults(func=cmd_convert)
 
 
-# --- pretrain ---------------------------------------------------------------------------------
-
-def _distributed_setup(device_arg):
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK: join the process group (NCCL on GPU, gloo on CPU)."""
-    import os
-
-    import torch
-    import torch.distributed as dist
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() if device_arg is None else device_arg.startswith("cuda")
-    device = torch.device(device_arg or ("cuda" if cuda else "cpu"))
-    if world > 1:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        if cuda:
-            device = torch.device("cuda", local)
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-    return device, (dist.get_rank() if world > 1 else 0)
-
-
-def _pretrain_model_and_data(args, data_dir):
-    """The model (fresh, seeded), the train/val batch sources, the objective and the tokenizer of a run."""
-    import torch
-
-    from duolm.data import CausalBatches, load_meta, load_tokenizer, open_split
-    from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
-    from duolm.train import CAUSAL_LM, MLM_NSP
-
-    meta = load_meta(data_dir)
-    tok = load_tokenizer(data_dir / "tokenizer")
-    want = "bpe" if args.family == "gpt2" else "wordpiece"
-    if meta["kind"] != want:
-        raise ValueError(f"{data_dir} holds {meta['kind']} data; `duolm pretrain {args.family}` needs data prepared "
-                         f"with a {want} tokenizer (duolm tokenizer train --kind {want})")
-    overrides = {"vocab_size": meta["vocab_size"]}
-    if args.block_size:
-        overrides["block_size"] = args.block_size
-    if args.dropout is not None:
-        overrides["dropout"] = args.dropout
-    for name in ("n_layer", "n_head", "n_embd"):
-        if getattr(args, name):
-            overrides[name] = getattr(args, name)
-    if args.family == "bert" and args.n_embd:
-        overrides["n_inner"] = 4 * args.n_embd
-    torch.manual_seed(args.seed)                     # the initial weights are a function of --seed
-    if args.family == "gpt2":
-        config = GPT2Config.preset(args.preset or "tiny", pad_vocab_multiple=64, **overrides)
-        model = GPT2(config)
-        train_data = CausalBatches(open_split(data_dir, "train"), config.block_size, seed=args.seed,
-                                   order=args.order)
-        val_data = CausalBatches(open_split(data_dir, "val"), config.block_size, order="sequential")
-        return model, CAUSAL_LM, train_data, val_data, tok
-    from duolm.data import BertBatches, MaskSpec, load_documents
-
-    config = BertConfig.preset(args.preset or "tiny", pad_token_id=tok.pad_id, **overrides)
-    model = BertForPreTraining(config)
-    spec = MaskSpec.from_tokenizer(tok)
-    common = dict(max_seq_length=config.block_size, nsp=not args.no_nsp, short_seq_prob=args.short_seq_prob,
-                  masked_lm_prob=args.masked_lm_prob, max_predictions_per_seq=args.max_predictions,
-                  whole_word=args.whole_word)
-    train_data = BertBatches(load_documents(data_dir, "train"), spec, seed=args.seed, masking=args.masking,
-                             dupe_factor=args.dupe_factor, **common)
-    val_data = BertBatches(load_documents(data_dir, "val"), spec, seed=args.seed + 1, masking="static", **common)
-    return model, MLM_NSP, train_data, val_data, tok
-
-
-def cmd_pretrain(args):
-    import math
-    from pathlib import Path
-
-    import torch.distributed as dist
-    from tqdm import tqdm
-
-    from duolm.train import TrainConfig, read_manifest, train
-
-    data_dir, out = Path(args.data), Path(args.out)
-    device, rank = _distributed_setup(args.device)
-    model, objective, train_data, val_data, tok = _pretrain_model_and_data(args, data_dir)
-    model.to(device)
-    cfg = TrainConfig(max_steps=args.max_steps, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                      lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup_steps, decay=args.decay,
-                      weight_decay=args.weight_decay, grad_clip=args.grad_clip, eval_every=args.eval_every,
-                      eval_batches=args.eval_batches, checkpoint_every=args.checkpoint_every,
-                      keep_last=args.keep_last, seed=args.seed, compile=args.compile)
-    start = (read_manifest(out) or {}).get("step", 0) if args.resume else 0
-    crash = None
-    if args.crash:
-        step, stage = args.crash.split(":") if ":" in args.crash else (args.crash, "step")
-        crash = (int(step), stage)
-    bar = None
-    if rank == 0:
-        n = model.num_params() if hasattr(model, "num_params") else sum(p.numel() for p in model.parameters())
-        print(f"{args.family} {args.preset or 'tiny'}: {n:,} parameters on {device}; run folder {out}"
-              + (f"; resuming at step {start}" if start else ""))
-        bar = tqdm(total=args.max_steps, initial=start, unit="step", dynamic_ncols=True, disable=args.quiet)
-
-    def on_log(row):
-        if "loss" in row:
-            bar.update(row["step"] - bar.n)
-            bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
-        if "val_loss" in row:
-            extra = "".join(f" {k[4:]} {v:.4f}" for k, v in row.items() if k.startswith("val_") and k != "val_loss")
-            ppl = f" ppl {math.exp(min(row['val_loss'], 50)):.2f}" if args.family == "gpt2" else ""
-            tqdm.write(f"step {row['step']}: val loss {row['val_loss']:.4f}{ppl}{extra}")
-        if row.get("nonfinite"):
-            tqdm.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
-
-    try:
-        result = train(model, objective, train_data, cfg, out, val_data=val_data, tokenizer=tok,
-                       resume=args.resume, on_log=on_log if rank == 0 else None, crash_hook=crash)
-    finally:
-        if bar is not None:
-            bar.close()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    if rank == 0:
-        how = "stopped by SIGTERM" if result["stopped"] else "done"
-        ckpt = out / f"ckpt-{result['saved_at']:08d}"
-        print(f"{how} at step {result['step']}; checkpoint {ckpt}; "
-              f"metrics {out / 'metrics.jsonl'}; loss curve {out / 'loss.png'}")
-    return result
-
-
-def _add_pretrain(sub):
-    p = sub.add_parser("pretrain", help="pretrain GPT-2 (causal LM) or BERT (MLM + NSP) on prepared data",
-                       description="Same command on one CPU or under torchrun on many GPUs (DDP).")
-    p.add_argument("family", choices=["gpt2", "bert"])
-    p.add_argument("--data", required=True, help="directory written by `duolm prepare`")
-    p.add_argument("-o", "--out", required=True, help="run folder: checkpoints, metrics.jsonl, tb/, loss.png")
-    p.add_argument("--preset", default=None, help="model size preset (default tiny); gpt2, gpt2-medium, bert-base...")
-    p.add_argument("--block-size", type=int, default=None, help="sequence length (default: the preset's)")
-    p.add_argument("--dropout", type=float, default=None)
-    p.add_argument("--n-layer", type=int, default=None, help="override the preset's layers")
-    p.add_argument("--n-head", type=int, default=None, help="override the preset's heads")
-    p.add_argument("--n-embd", type=int, default=None, help="override the preset's width (bert: n_inner = 4x)")
-    p.add_argument("--batch-size", type=int, default=32, help="GLOBAL batch: sequences per optimizer step")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="sequences per forward on one process")
-    p.add_argument("--max-steps", type=int, default=1000)
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--min-lr", type=float, default=0.0)
-    p.add_argument("--warmup-steps", type=int, default=100)
-    p.add_argument("--decay", choices=["cosine", "linear", "constant"], default="cosine")
-    p.add_argument("--weight-decay", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--eval-every", type=int, default=100)
-    p.add_argument("--eval-batches", type=int, default=20)
-    p.add_argument("--checkpoint-every", type=int, default=500)
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints kept (the newest ones)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in -o")
-    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model for training")
-    p.add_argument("--order", choices=["random", "shuffle", "sequential"], default="random", help="gpt2 windows")
-    p.add_argument("--masking", choices=["static", "dynamic"], default="dynamic", help="bert")
-    p.add_argument("--no-nsp", action="store_true", help="bert: MLM only (RoBERTa)")
-    p.add_argument("--whole-word", action="store_true", help="bert: whole-word masking")
-    p.add_argument("--masked-lm-prob", type=float, default=0.15)
-    p.add_argument("--max-predictions", type=int, default=20, help="bert: masked positions per sequence at most")
-    p.add_argument("--short-seq-prob", type=float, default=0.1)
-    p.add_argument("--dupe-factor", type=int, default=1, help="bert static masking: copies with different masks")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--crash", default=None, help=argparse.SUPPRESS)   # tests: "STEP[:step|save|renamed]" -> SIGKILL
-    p.set_defaults(func=cmd_pretrain)
-
-
-# --- prepare ----------------------------------------------------------------------------------
-
 def cmd_prepare(args):
-    from pathlib import Path
-
     from tqdm import tqdm
 
-    from duolm.data import load_tokenizer, prepare
+    from duolm.data import prepare
+    from duolm.tokenizers import load_tokenizer
 
-    tok = load_tokenizer(Path(args.tokenizer))
+    tok = load_tokenizer(args.tokenizer)
     with tqdm(total=0, unit="B", unit_scale=True, desc="tokenizing", dynamic_ncols=True, disable=args.quiet) as bar:
-        def progress(done, total):
-            bar.total = total
-            bar.update(done - bar.n)
-
         meta = prepare(args.files, tok, args.out, workers=args.workers, val_fraction=args.val_fraction,
-                       shard_size=args.shard_size, progress=progress)
+                       shard_size=args.shard_size, progress=lambda done, total:
+                       (setattr(bar, "total", total), bar.update(done - bar.n)))
     for split, m in meta["splits"].items():
         extra = f", {m['sentences']:,} sentences" if "sentences" in m else ""
         print(f"{split}: {m['tokens']:,} tokens, {m['documents']:,} documents{extra} in {len(m['shards'])} shard(s)")
@@ -295,86 +122,93 @@ def _add_prepare(sub):
     p.set_defaults(func=cmd_prepare)
 
 
-# --- generate / fill-mask -----------------------------------------------------------------------
+class Progress:
+    """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
+    printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
+
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
+        self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
+
+    def start(self, model, device, step):
+        from tqdm import tqdm
+
+        print(f"{self.name}: {model.num_params():,} parameters on {device}" + (f"; resuming at step {step}" if step else ""))
+        self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
+
+    def __call__(self, row):
+        import math
+
+        if "loss" in row:
+            self.bar.update(row["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        val = {k[4:]: v for k, v in row.items() if k.startswith("val_")}
+        if val:
+            ppl = f" (perplexity {math.exp(min(val['loss'], 50)):.2f})" if self.perplexity and "loss" in val else ""
+            self.bar.write(f"step {row['step']}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) + ppl)
+        if row.get("nonfinite"):
+            self.bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def cmd_pretrain(args):
+    from duolm.train import ModelConfig, TrainConfig, pretrain
+
+    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2")
+    try:
+        r = pretrain(args.family, args.data, args.out, options(ModelConfig, args), options(TrainConfig, args),
+                     resume=args.resume, device=args.device, on_start=progress.start, on_log=progress)
+    finally:
+        progress.close()
+    if progress.bar is not None:
+        print(f"{'stopped by SIGTERM' if r['stopped'] else 'done'} at step {r['step']}; checkpoint "
+              f"{args.out}/ckpt-{r['saved_at']:08d}; metrics {args.out}/metrics.jsonl"
+              + (f"; loss curve {r['plot']}" if r.get("plot") else ""))
+
+
+def _add_pretrain(sub):
+    from duolm.train import ModelConfig, TrainConfig
+
+    p = sub.add_parser("pretrain", help="pretrain GPT-2 (causal LM) or BERT (MLM + NSP) on prepared data",
+                       description="Same command on one CPU or under torchrun on many GPUs (DDP).")
+    p.add_argument("family", choices=["gpt2", "bert"])
+    p.add_argument("--data", required=True, help="directory written by `duolm prepare`")
+    p.add_argument("-o", "--out", required=True, help="run folder: checkpoints, metrics.jsonl, tb/, loss.png")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in -o")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_options(p.add_argument_group("model"), ModelConfig)
+    add_options(p.add_argument_group("training"), TrainConfig)
+    p.set_defaults(func=cmd_pretrain)
+
 
 def cmd_generate(args):
-    import torch
-
     from duolm.checkpoint import load
-    from duolm.generation import StopReason, TextStream, beam_search, generate
+    from duolm.decoding import decode_layout, quantize
+    from duolm.generation import StopReason, generate_text
 
     model, tok = load(args.dir)
-    if not hasattr(model, "hidden") or not hasattr(model, "head"):
-        raise ValueError(f"{args.dir} holds a {type(model).__name__}; generate needs a GPT-2 model "
-                         f"(for BERT use `duolm fill-mask`)")
-    if tok is None or not hasattr(tok, "decode_bytes"):
-        raise ValueError(f"{args.dir} has no byte-level BPE tokenizer (vocab.json + merges.txt); generate needs one")
-    if args.max_new_tokens < 0 or args.num_beams < 1:
-        raise ValueError(f"--max-new-tokens ({args.max_new_tokens}) must be >= 0 and --num-beams ({args.num_beams}) >= 1")
-    ids = tok.encode(args.prompt, allowed_special=set(tok.special_tokens))
-    if not ids:   # unconditional sampling starts from <|endoftext|>, as GPT-2's samples do
-        if tok.eot_id is None:
-            raise ValueError("the prompt is empty and the tokenizer has no <|endoftext|> to start from")
-        ids = [tok.eot_id]
-    window = model.config.block_size
-    if args.truncate == "left":
-        room = max(1, window - args.max_new_tokens + 1)      # prompt + new tokens fit the window
-        if len(ids) > room:
-            print(f"duolm: prompt truncated on the left from {len(ids)} to {room} tokens "
-                  f"(context window {window}, --max-new-tokens {args.max_new_tokens})", file=sys.stderr)
-            ids = ids[-room:]
-    elif len(ids) > window:
-        raise ValueError(f"the prompt is {len(ids)} tokens but the model's context window is {window}; "
-                         f"shorten it or pass --truncate left to keep its last tokens")
     if args.quantize:
-        from duolm.quant import quantize
         model = quantize(model, args.quantize)
-    elif args.num_beams == 1 and not args.plain_layout:
-        # fp32, same numbers: (in, out) copies of the matrices that one-row matmuls read faster
-        # on CPU (~1.4x tokens/s for GPT-2 124M at the cost of ~380 MB more memory)
-        from duolm.quant import quantize
-        model = quantize(model, "decode")
-    eot = tok.eot_id
-    stop_ids = [[eot]] if eot is not None else []
-    stream = TextStream(args.stop or [])
-    out = sys.stdout
-
-    def emit(text):
-        if text:
-            out.write(text)
-            if args.stream:
-                out.flush()
-
-    emit(args.prompt)
-    reason = None
-    if args.num_beams > 1:
-        new = beam_search(model, [ids], args.max_new_tokens, args.num_beams,
-                          length_penalty=args.length_penalty, stop=stop_ids)[0]
-        if new and eot is not None and new[-1] == eot:
-            new = new[:-1]
-        emit(stream.feed(tok.decode_bytes(new)))
-    else:
-        generator = torch.Generator()
-        if args.seed is None:
-            generator.seed()                  # fresh entropy: a different sample every run
-        else:
-            generator.manual_seed(args.seed)
-        gen = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                       top_p=args.top_p, repetition_penalty=args.repetition_penalty, stop=stop_ids,
-                       generator=generator)
-        for (t,) in gen:
-            if t is None or t == eot:
-                continue
-            emit(stream.feed(tok.decode_bytes([t])))   # holds back split characters and stop prefixes
-            if stream.stopped:
-                break
-        reason = gen.stop_reasons[0]
-    emit(stream.finish())
-    out.write("\n")
-    out.flush()
-    if reason == StopReason.CONTEXT and not stream.stopped:
-        print(f"duolm: stopped: the context window of {window} tokens is full "
-              f"(prompt {len(ids)} tokens); use a shorter prompt or --truncate left", file=sys.stderr)
+    elif args.num_beams == 1 and not args.plain_layout and hasattr(model, "hidden"):
+        model = decode_layout(model)         # same numbers, ~1.4x tokens/s on CPU, ~380 MB more for 124M
+    gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                        num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
+                        seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
+    if gen.truncated_from:
+        print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
+              file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    for piece in gen:
+        sys.stdout.write(piece)
+        if args.stream:
+            sys.stdout.flush()
+    print()
+    if gen.stop_reason == StopReason.CONTEXT:
+        print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
 
 
 def _add_generate(sub):
@@ -395,41 +229,26 @@ def _add_generate(sub):
     p.add_argument("--length-penalty", type=float, default=1.0, help="beam score = logprob / length ** this")
     p.add_argument("--truncate", choices=["none", "left"], default="none",
                    help="left: drop the oldest prompt tokens so prompt + new tokens fit the context window")
+    p.add_argument("--allow-special", action="store_true",
+                   help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
     p.add_argument("--quantize", choices=["int8", "bf16"], default=None,
                    help="weight-only int8/bf16 matmuls: faster CPU decoding, slightly different numbers")
-    p.add_argument("--plain-layout", action="store_true",
-                   help="fp32: skip the decode layout (extra (in, out) weight copies, ~380 MB for GPT-2 124M, "
-                        "~1.4x faster CPU sampling, same numbers) to save memory")
+    p.add_argument("--plain-layout", action="store_true", help="skip the fp32 decode layout (saves ~380 MB for 124M)")
     p.set_defaults(func=cmd_generate)
 
 
 def cmd_fill_mask(args):
     from duolm.checkpoint import load
-    from duolm.generation import fill_mask
+    from duolm.generation import fill_mask_text
 
     model, tok = load(args.dir)
-    if not hasattr(model, "mlm"):
-        raise ValueError(f"{args.dir} holds a {type(model).__name__}; fill-mask needs a BERT model with its "
-                         f"masked-LM head (BertForPreTraining, or HF BertForMaskedLM / BertForPreTraining)")
-    if tok is None or not hasattr(tok, "mask_id"):
-        raise ValueError(f"{args.dir} has no WordPiece tokenizer (vocab.txt); fill-mask needs one")
-    enc = tok.encode(args.text)
-    if len(enc.ids) > model.config.block_size:
-        raise ValueError(f"the text is {len(enc.ids)} tokens but the model's context window is "
-                         f"{model.config.block_size}; shorten it")
-    if tok.mask_id not in enc.ids:
-        raise ValueError('the text has no [MASK]; write [MASK] where a word should go, '
-                         'e.g. "The capital of France is [MASK]."')
-    results = fill_mask(model, enc.ids, tok.mask_id, top_k=args.top_k, segment_ids=enc.segment_ids)
-    piece = {i: s for s, i in tok.vocab.items()}
-    best = list(enc.ids)
+    results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)
     for n, fillers in enumerate(results, 1):
         print(f"[MASK] {n}:" if len(results) > 1 else "[MASK]:")
-        width = max(len(piece[i]) for i, _ in fillers)
-        for i, p in fillers:
-            print(f"  {piece[i]:<{width}}  {p:.4f}")
-        best[best.index(tok.mask_id)] = fillers[0][0]
-    print(tok.decode(best))
+        width = max(len(piece) for piece, _ in fillers)
+        for piece, p in fillers:
+            print(f"  {piece:<{width}}  {p:.4f}")
+    print(filled)
 
 
 def _add_fill_mask(sub):
@@ -442,7 +261,6 @@ def _add_fill_mask(sub):
 
 def cmd_demo(args):
     from duolm.demo import run
-
     run(args.out, text=args.text, gpt2_steps=args.gpt2_steps, bert_steps=args.bert_steps)
 
 
@@ -455,12 +273,11 @@ def _add_demo(sub):
     p.set_defaults(func=cmd_demo)
 
 
-# --- end of subcommands ------------------------------------------------------------------------
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duolm", description="GPT-2 and BERT: tokenizers, models, training, generation")
+    parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for add in (_add_tokenizer, _add_convert, _add_pretrain, _add_prepare, _add_generate, _add_fill_mask, _add_demo):
+    for add in (_add_tokenizer, _add_convert, _add_prepare, _add_pretrain, _add_generate, _add_fill_mask, _add_demo):
         add(sub)
     return parser
 
@@ -469,6 +286,11 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:          # expected failures: bad input, missing files, a full disk
+        if args.debug:
+            raise
         print(f"duolm: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print("duolm: interrupted", file=sys.stderr)
+        sys.exit(130)

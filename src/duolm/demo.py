@@ -4,7 +4,7 @@ No download: the corpus is the docstrings of the standard library's .py sources 
 is imported), or `--text FILE`. Trains a byte-level BPE and a small GPT-2 (prints validation loss,
 perplexity and samples), then a WordPiece and a small BERT with MLM + NSP (prints [MASK] predictions).
 Leaves runs/demo/ with tokenizers, prepared data, checkpoints, metrics.jsonl, tb/ and loss.png per model.
-L4: this file prints; it only wires library calls and the `pretrain` command together.
+L4: this file prints; it only wires library calls together.
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import re
 import sysconfig
 import time
 from pathlib import Path
+
+from tqdm import tqdm
 
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
@@ -48,22 +50,23 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
 
 
-def _pretrain(family, data, run, steps, batch_size, lr, extra):
-    """`duolm pretrain` of a 4-layer, 128-wide model on 128-token sequences: 4 evaluations, 2 checkpoints."""
-    from duolm.cli import main as duolm_main
+def _pretrain(family, data, run, steps, batch_size, lr, **model):
+    """A 4-layer, 128-wide model on 128-token sequences: 4 evaluations, 2 checkpoints."""
+    from duolm.train import ModelConfig, TrainConfig, pretrain
 
-    duolm_main(["pretrain", family, "--data", str(data), "-o", str(run), "--n-layer", "4", "--n-head", "4",
-                "--n-embd", "128", "--block-size", "128", "--batch-size", str(batch_size), "--max-steps", str(steps),
-                "--lr", str(lr), "--warmup-steps", "30", "--eval-every", str(max(steps // 4, 1)),
-                "--eval-batches", "8", "--checkpoint-every", str(max(steps // 2, 1)), *extra])
+    mc = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, **model)
+    tc = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=30, eval_every=max(steps // 4, 1),
+                     eval_batches=8, checkpoint_every=max(steps // 2, 1))
+    with tqdm(total=steps, unit="step", desc=family, dynamic_ncols=True) as bar:
+        pretrain(family, data, run, mc, tc, on_log=lambda row: bar.update(row["step"] - bar.n))
 
 
 def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 500):
     from duolm.checkpoint import load
     from duolm.data import prepare
-    from duolm.generation import fill_mask, generate
+    from duolm.generation import fill_mask_text, generate_text
     from duolm.tokenizers import ByteLevelBPE, WordPiece
-    from duolm.train.logs import read_jsonl
+    from duolm.runs import read_metrics
 
     t_start = time.time()
     out = Path(out)
@@ -86,19 +89,14 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     print(f"== byte-level BPE: {bpe.vocab_size} tokens in {time.time() - t:.0f}s")
     prepare([out / "corpus.txt"], bpe, out / "data-gpt2", workers=2, val_fraction=0.02)
     gpt2_run = out / "gpt2"
-    _pretrain("gpt2", out / "data-gpt2", gpt2_run, gpt2_steps, batch_size=16, lr=2e-3, extra=["--dropout", "0.0"])
-    val = [r["val_loss"] for r in read_jsonl(gpt2_run / "metrics.jsonl") if "val_loss" in r]
+    _pretrain("gpt2", out / "data-gpt2", gpt2_run, gpt2_steps, batch_size=16, lr=2e-3, dropout=0.0)
+    val = [r["val_loss"] for r in read_metrics(gpt2_run) if "val_loss" in r]
     print(f"== GPT-2 validation loss {val[0]:.3f} -> {val[-1]:.3f} (perplexity {math.exp(val[0]):.0f} -> "
           f"{math.exp(val[-1]):.1f})")
     model, tok = load(gpt2_run)
-    import torch
-    g = torch.Generator().manual_seed(0)
-    for prompt in ("Return the", "This module provides", "If the file"):
-        ids = tok.encode(prompt)
-        gen = generate(model, [ids], max_new_tokens=40, temperature=0.8, top_k=40, generator=g)
-        for _ in gen:
-            pass
-        print(f"   {prompt!r} -> {tok.decode(ids + gen.tokens[0])!r}")
+    for i, prompt in enumerate(("Return the", "This module provides", "If the file")):
+        text = "".join(generate_text(model, tok, prompt, 40, temperature=0.8, top_k=40, seed=i))
+        print(f"   {prompt!r} -> {prompt + text!r}")
 
     # --- BERT ----------------------------------------------------------------------------------
     t = time.time()
@@ -109,13 +107,11 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     print(f"== WordPiece: {wp.vocab_size} pieces in {time.time() - t:.0f}s; {len(sent_docs):,} documents of sentences")
     prepare([out / "corpus-bert.txt"], wp, out / "data-bert", workers=2, val_fraction=0.02)
     bert_run = out / "bert"
-    _pretrain("bert", out / "data-bert", bert_run, bert_steps, batch_size=32, lr=1e-3, extra=["--masking", "dynamic"])
+    _pretrain("bert", out / "data-bert", bert_run, bert_steps, batch_size=32, lr=1e-3, masking="dynamic")
     bert, wtok = load(bert_run)
     for sentence in ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
                      "Raise a [MASK] if the value is not valid."):
-        ids = wtok.encode(sentence).ids          # "[MASK]" in the text becomes the mask id
-        preds = fill_mask(bert, ids, wtok.mask_id, top_k=5)
-        shown = ", ".join(f"{wtok.decode([i])} {p:.2f}" for i, p in preds[0]) if preds else "-"
-        print(f"   {sentence!r}: {shown}")
+        preds, _ = fill_mask_text(bert, wtok, sentence, top_k=5)
+        print(f"   {sentence!r}: " + ", ".join(f"{piece} {p:.2f}" for piece, p in preds[0]))
     print(f"== done in {(time.time() - t_start) / 60:.1f} min: {out}/gpt2 and {out}/bert hold checkpoints, "
           f"metrics.jsonl, tb/ and loss.png")

@@ -207,7 +207,7 @@ def _check_hf_type(d: dict, model_type: str, architectures) -> None:
     mt = d.get("model_type")
     archs = d.get("architectures") or []
     if mt != model_type or any(a not in architectures for a in archs):
-        raise ValueError(f"unsupported HF config: model_type {mt!r}, architectures {archs}; "
+        raise ValueError(f"model_type {mt!r} with architectures {archs} is not supported; "
                          f"duolm supports {SUPPORTED}")
 
 

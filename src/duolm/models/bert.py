@@ -18,6 +18,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from duolm.models.gpt2 import check_sizes
+
+# Largest sizes a config may declare, checked before allocation.
+LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16,
+          "n_inner": 1 << 18, "type_vocab_size": 1024}
+
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -36,11 +42,9 @@ class BertConfig:
     pad_token_id: int = 0
 
     def __post_init__(self):
+        check_sizes(self, LIMITS)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "n_inner", "type_vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 
@@ -172,15 +176,10 @@ class Bert(nn.Module):
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size="
                              f"{self.config.block_size}; truncate the input")
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
-        if segment_ids is not None:
-            if tuple(segment_ids.shape) != (B, T):
-                raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
-            lo, hi = int(segment_ids.min()), int(segment_ids.max())
-            if lo < 0 or hi >= self.config.type_vocab_size:
-                raise ValueError(f"segment ids must be in [0, {self.config.type_vocab_size}); got min {lo}, max {hi}")
+        # Token and segment ids are checked where they enter (tokenizers, data loaders, fill_mask): a
+        # range check here would cost a host-device sync per forward and break torch.compile graphs.
+        if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
 
@@ -195,7 +194,7 @@ class Bert(nn.Module):
         if self.training and self.config.dropout > 0:
             x = self.drop(x)
         mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
+        if attention_mask is not None:
             mask = attention_mask.to(device=idx.device, dtype=torch.bool)[:, None, None, :]   # (B, 1, 1, T)
         for block in self.h:
             x = block(x, mask)

@@ -21,10 +21,23 @@ import torch.nn.functional as F
 # ---------------------------------------------------------------------------------------------
 # Config
 
+# Largest sizes a config may declare (far above every released model), checked before allocation.
+LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16}
+# The embedding matrix has vocab_size rows rounded up to this multiple: output rows of a multiple of
+# 64 floats make the output matmul ~1.5x faster on CPU than GPT-2's odd 50,257 (see GPT2.head).
+VOCAB_ALIGN = 64
+
+
+def check_sizes(config, limits: dict) -> None:
+    """Every size field an int in [1, its limit]: ValueError naming the field and the limit."""
+    for name, limit in limits.items():
+        v = getattr(config, name)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
+            raise ValueError(f"{name}={v!r} must be an integer in [1, {limit}]")
+
 @dataclass
 class GPT2Config:
-    """Architecture facts. `pad_vocab_multiple` > 1 rounds the embedding matrix up to a multiple
-    (e.g. 64) for faster matmuls; the padding never shows in logits, state dicts or checkpoints."""
+    """Architecture facts (sizes are bounded by LIMITS, so a config file cannot ask for 2**40 rows)."""
 
     vocab_size: int = 50257
     block_size: int = 1024
@@ -33,14 +46,11 @@ class GPT2Config:
     n_embd: int = 768
     dropout: float = 0.0
     layer_norm_eps: float = 1e-5
-    pad_vocab_multiple: int = 1
 
     def __post_init__(self):
+        check_sizes(self, LIMITS)
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "pad_vocab_multiple"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
 
@@ -50,8 +60,8 @@ class GPT2Config:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.pad_vocab_multiple
-        return (self.vocab_size + m - 1) // m * m
+        """Rows of the embedding matrix: vocab_size rounded up to a multiple of 64 (see GPT2.head)."""
+        return -(-self.vocab_size // VOCAB_ALIGN) * VOCAB_ALIGN
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPT2Config":
@@ -178,41 +188,6 @@ class Block(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Output layer matmul with aligned rows
-
-class _AlignedLinear(torch.autograd.Function):
-    """x (N, C) @ w.T -> (N, V), written into rows padded to a multiple of 64 floats.
-
-    With V = 50,257 the row length of a plain contiguous output is odd, and CPU sgemm runs
-    ~1.5x slower than with an aligned row stride. The result is the (N, V) view of that buffer,
-    the same strided view the pad_vocab_multiple path returns; the values are those of x @ w.T.
-
-    For a few rows (decoding: one per sequence) the matmul goes in slices of 1024 vocabulary rows:
-    MKL's sgemm with N = 2..16 rows against the whole (V, C) matrix runs ~3x slower than the same
-    work in slices (batch 8: ~50 ms -> ~14 ms per step on 2 cores); each slice is exact, only the
-    kernel differs."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        V = w.shape[0]
-        out = x.new_empty(x.shape[0], -(-V // 64) * 64)[:, :V]
-        if 1 < x.shape[0] <= 16:
-            for i in range(0, V, 1024):
-                torch.mm(x, w[i:i + 1024].t(), out=out[:, i:i + 1024])
-        else:
-            torch.mm(x, w.t(), out=out)
-        ctx.save_for_backward(x, w)
-        return out
-
-    @staticmethod
-    def backward(ctx, g):
-        x, w = ctx.saved_tensors
-        dx = g @ w if ctx.needs_input_grad[0] else None
-        dw = g.t() @ x if ctx.needs_input_grad[1] else None
-        return dx, dw
-
-
-# ---------------------------------------------------------------------------------------------
 # The model
 
 def _trim_vocab_padding(module, state_dict, prefix, local_metadata):
@@ -241,9 +216,9 @@ class GPT2(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
-        if config.padded_vocab_size != config.vocab_size:
-            self.register_state_dict_post_hook(_trim_vocab_padding)
-            self.register_load_state_dict_pre_hook(_restore_vocab_padding)
+        # The padding rows exist inside the model only: state dicts and checkpoints hold vocab_size rows.
+        self.register_state_dict_post_hook(_trim_vocab_padding)
+        self.register_load_state_dict_pre_hook(_restore_vocab_padding)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -283,9 +258,8 @@ class GPT2(nn.Module):
         if cache is not None and (cache.batch_size != B or past + T > cache.max_len):
             raise ValueError(f"cache holds batch {cache.batch_size} x {cache.max_len} positions "
                              f"({past} used); got batch {B} with {T} new tokens")
-        lo, hi = int(idx.min()), int(idx.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got min {lo}, max {hi}")
+        # Token ids are checked where they enter (tokenizers, data loaders, generate, fill_mask): a
+        # range check here would cost a host-device sync per forward and break torch.compile graphs.
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(f"attention_mask must have shape (B, past + T) = ({B}, {past + T}), "
                              f"got {tuple(attention_mask.shape)}")
@@ -301,8 +275,6 @@ class GPT2(nn.Module):
         past = 0 if cache is None else cache.length
         S = past + T
         device = idx.device
-        if attention_mask is not None and bool(attention_mask.all()):
-            attention_mask = None   # no padding: take the plain causal path
         mask = None
         if attention_mask is None:
             pos_emb = self.wpe.weight[past:S]                                 # (T, C)
@@ -330,14 +302,20 @@ class GPT2(nn.Module):
         return self.ln_f(x)
 
     def head(self, h):
-        """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view with rows padded
-        to a multiple of 64 floats (use .reshape or .view(-1, V), not a flat .view)."""
-        V, Vp = self.config.vocab_size, self.config.padded_vocab_size
-        if Vp != V:          # padded embedding: aligned matmul, then drop the padding columns
-            return F.linear(h, self.wte.weight)[..., :V]
-        if V % 64 == 0 or torch.is_autocast_enabled(h.device.type):   # autocast casts F.linear itself
-            return F.linear(h, self.wte.weight)
-        return _AlignedLinear.apply(h.reshape(-1, h.shape[-1]), self.wte.weight).view(*h.shape[:-1], V)
+        """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view of rows padded to
+        padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view).
+
+        Decoding 2-16 rows without autograd goes in slices of 1024 vocabulary rows: MKL's sgemm with
+        so few rows against the whole (V, C) matrix runs ~3x slower than the same work in slices
+        (batch 8: ~50 ms -> ~14 ms per step on 2 cores); each slice is exact, only the kernel differs."""
+        w, V = self.wte.weight, self.config.vocab_size
+        rows = h.numel() // h.shape[-1]
+        if 1 < rows <= 16 and not torch.is_grad_enabled() and h.dtype == w.dtype:
+            out = h.new_empty(rows, w.shape[0])
+            for i in range(0, w.shape[0], 1024):
+                torch.mm(h.reshape(rows, -1), w[i:i + 1024].t(), out=out[:, i:i + 1024])
+            return out.view(*h.shape[:-1], -1)[..., :V]
+        return F.linear(h, w)[..., :V]
 
     def forward(self, idx, attention_mask=None, cache=None):
         """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""

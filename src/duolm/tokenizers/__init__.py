@@ -4,15 +4,50 @@ from pathlib import Path
 from .bpe import ByteLevelBPE
 from .wordpiece import WordPiece
 
-__all__ = ["ByteLevelBPE", "WordPiece", "load_tokenizer"]
+__all__ = ["ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
 
 
-def load_tokenizer(directory):
+def load_tokenizer(directory, required: bool = True):
     """The tokenizer saved in `directory`: vocab.json + merges.txt -> ByteLevelBPE, vocab.txt ->
-    WordPiece; None when the directory holds neither."""
+    WordPiece. When the directory holds neither: an error, or None if not `required`."""
     d = Path(directory)
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
         return ByteLevelBPE.load(d)
     if (d / "vocab.txt").is_file():
         return WordPiece.load(d)
-    return None
+    if not required:
+        return None
+    if not d.is_dir():
+        raise FileNotFoundError(f"{d}: no such tokenizer directory")
+    raise ValueError(f"{d}: no tokenizer files (vocab.json + merges.txt for byte-level BPE, or vocab.txt for "
+                     f"WordPiece); train one with `duolm tokenizer train`")
+
+
+def train_tokenizer(kind: str, files, vocab_size: int, min_frequency: int = 2, lowercase: bool = True,
+                    progress: bool = False):
+    """Train a "bpe" (byte-level BPE) or "wordpiece" tokenizer on text files, streamed line by line."""
+    if kind not in ("bpe", "wordpiece"):
+        raise ValueError(f"kind {kind!r} is not 'bpe' or 'wordpiece'")
+    missing = [str(f) for f in files if not Path(f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"no such file: {', '.join(missing)}")
+
+    def lines():
+        for f in files:
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                yield from fh
+
+    if kind == "bpe":
+        return ByteLevelBPE.train(lines(), vocab_size, min_frequency=min_frequency, progress=progress)
+    return WordPiece.train(lines(), vocab_size, lowercase=lowercase, min_frequency=min_frequency, progress=progress)
+
+
+def show_pieces(tok, text: str, allow_special: bool = False) -> tuple[list[int], list[str]]:
+    """(ids, pieces) of `text`, a piece per id: its text, or the repr of its bytes when it holds part of
+    a character. Special tokens typed in the text are plain text unless `allow_special`."""
+    if isinstance(tok, ByteLevelBPE):
+        ids = tok.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
+        raw = [tok.decode_bytes([i]) for i in ids]
+        return ids, [b.decode() if b.decode(errors="replace") == b.decode(errors="ignore") else str(b) for b in raw]
+    ids = tok.encode(text).ids
+    return ids, [tok.inv[i] for i in ids]

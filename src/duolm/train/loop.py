@@ -8,67 +8,69 @@
         clip; skip the update if loss or gradient norm is not finite; AdamW step
         log; validate every eval_every; checkpoint every checkpoint_every or on SIGTERM
 
-Exact resume: weights (via duolm.checkpoint), AdamW state and the step are saved; everything else that
-decides a step (the batch, dropout masks) is a function of (seed, step, rank), because the global RNG is
-re-seeded from them at every step. So N steps + kill + resume + N steps == 2N steps, bit for bit.
-
-Checkpoint layout (only rank 0 writes):
-    RUN/ckpt-00000100/   config.json, model.safetensors, tokenizer files, train_state.pt
-    RUN/checkpoint.json  {"latest": "ckpt-00000100", "step": 100, "checkpoints": [...]}
-A checkpoint is written to RUN/.tmp-ckpt-XXXXXXXX, renamed into place, and only then named by the
-manifest (written atomically, last): a checkpoint the manifest does not name is never loaded.
+Exact resume: weights, AdamW state and the step are saved; everything else that decides a step (the
+batch, dropout masks) is a function of (seed, step, rank), because the global RNG is re-seeded from
+them at every step. So N steps + kill + resume + N steps == 2N steps, bit for bit. The run directory
+(checkpoints, manifest, metrics.jsonl) is duolm.runs's; only rank 0 writes.
 """
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import shutil
+import pickle
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from duolm.train.logs import JsonlWriter, TensorBoardWriter, plot_curves, read_jsonl
+from duolm import runs
+from duolm.checkpoint import load, save
+from duolm.train.logs import open_logs
 from duolm.train.objectives import Objective
 from duolm.train.optim import lr_at, make_optimizer
 
-MANIFEST = "checkpoint.json"
+TRAIN_STATE = "train_state.pt"
+
+
+def _opt(default, help, **kw):
+    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int
-    batch_size: int                      # global: sequences per optimizer step, over all ranks and micro-batches
-    micro_batch_size: int | None = None  # sequences per forward on one rank (None: the rank's whole share)
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    decay: str = "cosine"                # "cosine" | "linear" | "constant"
-    weight_decay: float = 0.1
-    betas: tuple = (0.9, 0.95)
-    eps: float = 1e-8
-    grad_clip: float = 1.0               # 0: no clipping (the norm is still computed and logged)
-    eval_every: int = 0                  # 0: validate only at the end (when val data is given)
-    eval_batches: int | None = 20
-    checkpoint_every: int = 0            # 0: only at the end and on SIGTERM
-    keep_last: int = 3
-    seed: int = 0
-    compile: bool = False                # torch.compile the model for training steps
-    bf16: bool = True                    # bf16 autocast, CUDA only
+    """How to train (the same for pretraining and fine-tuning); the CLI's flags are these fields."""
+    max_steps: int = _opt(1000, "optimizer steps in all")
+    batch_size: int = _opt(32, "GLOBAL batch: sequences per optimizer step, over all processes")
+    micro_batch_size: int | None = _opt(None, "sequences per forward on one process (default: its whole share)")
+    lr: float = _opt(6e-4, "peak learning rate")
+    min_lr: float = _opt(0.0, "learning rate at the end of the decay")
+    warmup_steps: int = _opt(100, "linear warmup steps")
+    decay: str = _opt("cosine", "schedule after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = _opt(0.1, "AdamW weight decay of the matrices")
+    betas: tuple = _opt((0.9, 0.95), "AdamW betas", cli=False)
+    eps: float = _opt(1e-8, "AdamW epsilon", cli=False)
+    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    eval_every: int = _opt(100, "validate every N steps (0: at the end only)")
+    eval_batches: int | None = _opt(20, "validation batches per evaluation")
+    checkpoint_every: int = _opt(500, "checkpoint every N steps (0: at the end and on SIGTERM only)")
+    keep_last: int = _opt(3, "checkpoints kept (the newest)")
+    seed: int = _opt(0, "seed of the weights, the data order and dropout")
+    compile: bool = _opt(False, "torch.compile the model for training")
+    bf16: bool = _opt(True, "bf16 autocast on CUDA", cli=False)
+    select_metric: str | None = _opt(None, "keep RUN/best/ by this validation metric (e.g. val_accuracy)", cli=False)
+    select_mode: str = _opt("max", "whether a larger or smaller select_metric is better", cli=False)
 
     def __post_init__(self):
-        for name in ("max_steps", "batch_size"):
+        for name in ("max_steps", "batch_size", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.keep_last < 1:
-            raise ValueError(f"keep_last={self.keep_last} must be >= 1")
+        if self.select_mode not in ("max", "min"):
+            raise ValueError(f"select_mode={self.select_mode!r} must be 'max' or 'min'")
 
 
 def _world():
@@ -106,78 +108,46 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return ((seed * 1_000_003 + step) * 1_009 + rank) % (2 ** 63)
 
 
+def _autocast(device, cfg):
+    if device.type == "cuda" and cfg.bf16:
+        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 # --- checkpoints ------------------------------------------------------------------------------
 
-def ckpt_name(step: int) -> str:
-    return f"ckpt-{step:08d}"
-
-
-def read_manifest(run_dir) -> dict | None:
-    path = Path(run_dir) / MANIFEST
-    if not path.exists():
-        return None
-    return json.loads(path.read_text())
-
-
-def _write_json_atomic(path: Path, obj):
-    tmp = path.with_name("." + path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _crash(hook, step, stage):
-    """Test hook: SIGKILL this process at a named point, to prove a kill there loses nothing."""
-    if hook is not None and hook == (step, stage):
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer=None, keep_last: int = 3,
-                    crash_hook=None) -> Path:
-    """Writes RUN/ckpt-<step>/ (model dir + train_state.pt) via a temp dir, then the manifest, then prunes."""
-    from duolm.checkpoint import save
-
-    run_dir = Path(run_dir)
-    name = ckpt_name(step)
-    tmp, final = run_dir / (".tmp-" + name), run_dir / name
-    shutil.rmtree(tmp, ignore_errors=True)
-    save(model, tmp, tokenizer=tokenizer)
-    _crash(crash_hook, step, "save")                       # model written, train state not yet
-    with open(tmp / "train_state.pt", "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():                                     # left by a run killed before its manifest named it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _crash(crash_hook, step, "renamed")                    # complete on disk, but not in the manifest yet
-    old = read_manifest(run_dir) or {}
-    kept = [c for c in old.get("checkpoints", []) if c != name and int(c.split("-")[1]) < step]
-    kept = (kept + [name])[-keep_last:]
-    _write_json_atomic(run_dir / MANIFEST, {"latest": name, "step": step, "checkpoints": kept})
-    for p in run_dir.glob("ckpt-*"):                       # older ones past keep_last, and orphans
-        if p.name not in kept:
-            shutil.rmtree(p, ignore_errors=True)
-    for p in run_dir.glob(".tmp-ckpt-*"):
-        shutil.rmtree(p, ignore_errors=True)
-    return final
+                    best: dict | None = None) -> Path:
+    """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs."""
+    def write(folder):
+        save(model, folder, tokenizer=tokenizer)
+        try:
+            with open(folder / TRAIN_STATE, "wb") as f:
+                torch.save(state, f)
+        except RuntimeError as e:      # torch reports a failed write (a full disk) as a RuntimeError
+            raise OSError(f"could not write {folder / TRAIN_STATE} ({e})") from None
+    return runs.save_checkpoint(run_dir, step, write, keep_last, best)
 
 
 def load_train_state(run_dir, model: nn.Module) -> dict | None:
-    """Loads the newest complete checkpoint of a run into `model`; returns its train state (None: no checkpoint)."""
-    from duolm.checkpoint import latest_checkpoint, load
-
-    if read_manifest(run_dir) is None:
+    """Loads the newest complete checkpoint of a run into `model`; returns its train state (None: none yet)."""
+    if runs.read_manifest(run_dir) is None:
         return None
-    ckpt = latest_checkpoint(run_dir)
+    ckpt = runs.latest_checkpoint(run_dir)
     saved, _ = load(ckpt)
     try:
         model.load_state_dict(saved.state_dict())
     except RuntimeError as e:
         raise ValueError(f"{ckpt} does not fit this model (different config?): {e}") from None
-    return torch.load(ckpt / "train_state.pt", map_location="cpu", weights_only=True)
+    path = ckpt / TRAIN_STATE
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: refused as unsafe: it holds more than tensors and plain values, and "
+                         f"unpickling it could run code; duolm never loads such a file") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"{path}: not a readable training state ({type(e).__name__}); "
+                         f"it may be truncated or corrupt") from None
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -187,8 +157,8 @@ def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: 
              autocast=contextlib.nullcontext) -> dict:
     """Mean loss (and the objective's metrics) over `batches` (this rank's share), summed over ranks."""
     device = next(model.parameters()).device
-    batches = [_to(b, device) for b in batches]
-    micros = [m for b in batches for m in (_micro_batches(b, micro_batch_size) if micro_batch_size else [b])]
+    micros = [m for b in batches for m in
+              (_micro_batches(_to(b, device), micro_batch_size) if micro_batch_size else [_to(b, device)])]
     counts = {}
     for m in micros:
         _add(counts, objective.counts(m))
@@ -198,152 +168,174 @@ def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: 
     total = {}
     for m in micros:
         with autocast():
-            _, metrics = objective.loss(objective.forward(model, m), m, norm)
-        _add(total, metrics)
+            _add(total, objective.loss(objective.forward(model, m), m, norm)[1])
     model.train(was_training)
     return _all_reduce(total, device)
 
 
+def loss_validator(objective: Objective, val_data, cfg: TrainConfig):
+    """validate(model) -> {"val_loss": ..., "val_<metric>": ...} over cfg.eval_batches of `val_data`."""
+    def validate(model):
+        rank, world = _world()
+        device = next(model.parameters()).device
+        batches = val_data.eval_batches(cfg.batch_size, rank=rank, world_size=world, max_batches=cfg.eval_batches)
+        micro = cfg.micro_batch_size or cfg.batch_size // world
+        metrics = evaluate(model, objective, batches, micro, _autocast(device, cfg))
+        return {"val_" + k: v for k, v in metrics.items()}
+    return validate
+
+
+# --- one step ---------------------------------------------------------------------------------
+
+def train_step(fwd: nn.Module, objective: Objective, optimizer, micros: list[dict], params, grad_clip: float,
+               world: int = 1, autocast=contextlib.nullcontext) -> dict:
+    """One optimizer step over this rank's micro-batches: returns the step's metrics summed over ranks,
+    its input tokens, the gradient norm and whether the update was applied (a non-finite loss or
+    gradient skips it, so a bad batch cannot poison the weights)."""
+    device = params[0].device
+    counts = {}
+    for m in micros:
+        _add(counts, objective.counts(m))
+    norm = _all_reduce(counts, device)          # predicted items in the whole step, all ranks
+    total, n_tokens = {}, 0
+    for i, m in enumerate(micros):
+        # DDP averages gradients over ranks; losses are already divided by the global count, so undo it
+        sync = world == 1 or i == len(micros) - 1
+        with contextlib.nullcontext() if sync else fwd.no_sync():
+            with autocast():
+                loss, metrics = objective.loss(objective.forward(fwd, m), m, norm)
+            (loss * world).backward()
+        _add(total, metrics)
+        n_tokens += objective.tokens(m)
+    total = _all_reduce({**total, "_tokens": n_tokens}, device)
+    grad_norm = float(nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf))
+    ok = math.isfinite(total["loss"]) and math.isfinite(grad_norm)
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**total, "_tokens": int(total["_tokens"]), "grad_norm": grad_norm, "_ok": ok}
+
+
+class _StopOnSigterm:
+    """While active, SIGTERM sets a flag instead of killing: the loop finishes its step, saves, returns."""
+
+    def __init__(self):
+        self.event, self.old = threading.Event(), None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGTERM, lambda signum, frame: self.event.set())
+        return self.event
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGTERM, self.old)
+
+
+def _better(value, best, mode):
+    return best is None or (value > best if mode == "max" else value < best)
+
+
 # --- the loop ---------------------------------------------------------------------------------
 
-def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, val_data=None,
-          tokenizer=None, resume: bool = False, on_log=None, crash_hook=None) -> dict:
-    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "rows"}.
+def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, validate=None,
+          tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
+    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows"}.
 
-    data: has .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch
-          (a pure function of the step, e.g. duolm.data.CausalBatches / BertBatches).
-    val_data: has .eval_batches(batch_size, rank, world_size, max_batches), or None.
-    run_dir: where rank 0 writes metrics.jsonl, tb/, loss.png and checkpoints (None: nothing is written).
+    data: .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch, a pure
+          function of the step (e.g. duolm.data.CausalBatches / BertBatches).
+    validate(model) -> {name: value}: run every cfg.eval_every steps (and at step 0 of a fresh run) and
+          at the end; see loss_validator. With cfg.select_metric, the best model is kept in RUN/best/.
+    run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written).
     resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
     on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
-    crash_hook: (step, "step" | "save" | "renamed") SIGKILLs the process there (tests only).
     Torch.distributed, when initialised (torchrun), makes this DDP: the global batch is split over ranks.
     """
     rank, world = _world()
     device = next(model.parameters()).device
     per_rank = cfg.batch_size // world
     if per_rank * world != cfg.batch_size:
-        raise ValueError(f"--batch-size {cfg.batch_size} must be divisible by the number of processes {world}")
+        raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {world}")
     micro = cfg.micro_batch_size or per_rank
     if per_rank % micro:
         raise ValueError(f"each of {world} process(es) gets {per_rank} sequences per step, which is not a multiple "
-                         f"of --micro-batch-size {micro}")
+                         f"of micro_batch_size {micro}")
     writer = rank == 0 and run_dir is not None
-    if run_dir is not None:
-        Path(run_dir).mkdir(parents=True, exist_ok=True)
-
     optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
-    start, skipped, tokens_seen = 0, 0, 0
-    if resume and run_dir is not None:
-        state = load_train_state(run_dir, model)
-        if state is not None:
-            optimizer.load_state_dict(state["optimizer"])
-            start, skipped, tokens_seen = state["step"], state["skipped"], state["tokens"]
+    state = load_train_state(run_dir, model) if resume and run_dir is not None else None
+    if state is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    start, skipped, tokens_seen = (state["step"], state["skipped"], state["tokens"]) if state else (0, 0, 0)
+    best = (runs.read_manifest(run_dir) or {}).get("best") if state else None
 
-    fwd = ddp = model
-    if world > 1:
-        fwd = ddp = nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    fwd = model if world == 1 else nn.parallel.DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None)
     if cfg.compile:
         fwd = torch.compile(fwd)
-    if device.type == "cuda" and cfg.bf16:
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    else:
-        autocast = contextlib.nullcontext
+    autocast = _autocast(device, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
-
-    jsonl = JsonlWriter(Path(run_dir) / "metrics.jsonl", keep_until_step=start) if writer else None
-    tb = TensorBoardWriter(Path(run_dir) / "tb") if writer else None
-    stop = threading.Event()
-    old_handler = None
-    if threading.current_thread() is threading.main_thread():
-        old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    sinks = (open_logs(run_dir, start if state else None, tensorboard) if writer else []) + \
+        ([on_log] if on_log is not None and rank == 0 else [])
+    rows: list[dict] = []
 
     def log(row):
         rows.append(row)
-        if writer:
-            jsonl.write(row)
-            tb.scalars(row["step"], {k: v for k, v in row.items() if k != "step"})
-            if on_log is not None:
-                on_log(row)
+        for sink in sinks:
+            sink(row)
 
-    def validate(step):
-        if val_data is None:
-            return {}
-        batches = val_data.eval_batches(cfg.batch_size, rank=rank, world_size=world, max_batches=cfg.eval_batches)
-        return {"val_" + k: v for k, v in evaluate(model, objective, batches, micro, autocast).items()}
+    def run_validation(step) -> dict:
+        nonlocal best
+        metrics = validate(model) if validate is not None else {}
+        value = metrics.get(cfg.select_metric)
+        if writer and value is not None and _better(value, (best or {}).get("value"), cfg.select_mode):
+            best = {"metric": cfg.select_metric, "value": value, "step": step}
+            runs.replace_folder(Path(run_dir) / "best", lambda d: save(model, d, tokenizer=tokenizer))
+        return metrics
 
     def checkpoint(step):
         if writer:
             state = {"step": step, "optimizer": optimizer.state_dict(), "skipped": skipped, "tokens": tokens_seen,
                      "seed": cfg.seed, "config": asdict(cfg)}
-            save_checkpoint(run_dir, step, model, state, tokenizer, cfg.keep_last, crash_hook)
+            save_checkpoint(run_dir, step, model, state, tokenizer, cfg.keep_last, best)
         if world > 1:
             dist.barrier()
 
-    rows: list[dict] = []
     model.train()
     step, saved_at = start, start
     try:
-        if start == 0 and cfg.eval_every and val_data is not None:
-            log({"step": 0, **validate(0)})
-        t0 = time.perf_counter()
-        while step < cfg.max_steps:
-            torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
-            lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            micros = _micro_batches(_to(data.batch(step, cfg.batch_size, rank=rank, world_size=world), device), micro)
-            counts = {}
-            for m in micros:
-                _add(counts, objective.counts(m))
-            norm = _all_reduce(counts, device)      # predicted items in the whole step, all ranks
-            total, n_tokens = {}, 0
-            for i, m in enumerate(micros):
-                # DDP averages gradients over ranks; losses are already divided by the global count, so undo it
-                sync = world == 1 or i == len(micros) - 1
-                with (contextlib.nullcontext() if sync else ddp.no_sync()):
-                    with autocast():
-                        loss, metrics = objective.loss(objective.forward(fwd, m), m, norm)
-                    (loss * world).backward()
-                _add(total, metrics)
-                n_tokens += objective.tokens(m)
-            total = _all_reduce({**total, "_tokens": n_tokens}, device)
-            n_tokens = int(total.pop("_tokens"))
-            grad_norm = float(nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else math.inf))
-            ok = math.isfinite(total["loss"]) and math.isfinite(grad_norm)
-            if ok:
-                optimizer.step()
-            else:
-                skipped += 1                       # a bad batch must not poison the weights
-            optimizer.zero_grad(set_to_none=True)
-            _crash(crash_hook, step + 1, "step")
-            step += 1
-            tokens_seen += n_tokens
-            t1 = time.perf_counter()
-            row = {"step": step, **total, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": n_tokens / (t1 - t0),
-                   "tokens": tokens_seen, "skipped": skipped}
-            if not ok:
-                row["nonfinite"] = True
-            if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps:
-                row.update(validate(step))
-            log(row)
-            stopping = stop.is_set()
-            if world > 1:                          # every rank must stop at the same step
-                stopping = _all_reduce({"stop": float(stopping)}, device)["stop"] > 0
-            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
-                checkpoint(step)
-                saved_at = step
-            if stopping:
-                break
+        with _StopOnSigterm() as stop:
+            if start == 0 and cfg.eval_every and validate is not None:
+                log({"step": 0, **run_validation(0)})
             t0 = time.perf_counter()
+            while step < cfg.max_steps:
+                torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
+                lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                batch = _to(data.batch(step, cfg.batch_size, rank=rank, world_size=world), device)
+                out = train_step(fwd, objective, optimizer, _micro_batches(batch, micro), params, cfg.grad_clip,
+                                 world, autocast)
+                n_tokens, ok = out.pop("_tokens"), out.pop("_ok")
+                skipped += not ok
+                step += 1
+                tokens_seen += n_tokens
+                row = {"step": step, **out, "lr": lr, "tokens_per_s": n_tokens / (time.perf_counter() - t0),
+                       "tokens": tokens_seen, "skipped": skipped, **({} if ok else {"nonfinite": True})}
+                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps:
+                    row.update(run_validation(step))
+                log(row)
+                stopping = stop.is_set()
+                if world > 1:                          # every rank must stop at the same step
+                    stopping = _all_reduce({"stop": float(stopping)}, device)["stop"] > 0
+                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
+                    checkpoint(step)
+                    saved_at = step
+                if stopping:
+                    break
+                t0 = time.perf_counter()
     finally:
-        if old_handler is not None:
-            signal.signal(signal.SIGTERM, old_handler)
-        if writer:
-            jsonl.close()
-            tb.close()
-            history = read_jsonl(Path(run_dir) / "metrics.jsonl")
-            curves = {"train": [(r["step"], r["loss"]) for r in history if "loss" in r],
-                      "val": [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]}
-            plot_curves(Path(run_dir) / "loss.png", curves)
-    return {"step": step, "skipped": skipped, "stopped": stop.is_set(), "saved_at": saved_at, "rows": rows}
+        for sink in sinks:
+            if hasattr(sink, "close"):
+                sink.close()
+    return {"step": step, "skipped": skipped, "stopped": stop.is_set(), "saved_at": saved_at, "rows": rows,
+            "best": best}

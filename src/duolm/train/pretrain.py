@@ -1,0 +1,118 @@
+"""Pretraining as one library call: GPT-2 (causal LM) or BERT (MLM + NSP) on a prepared data directory.
+
+    from duolm.train import ModelConfig, TrainConfig, pretrain
+    pretrain("gpt2", "data/", "runs/gpt2", ModelConfig(preset="tiny"), TrainConfig(max_steps=2000))
+
+The CLI (`duolm pretrain`) and the demo call this; torchrun runs it as is (DDP over the processes).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from duolm.data import BertBatches, CausalBatches, MaskSpec, load_documents, load_meta, open_split
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.tokenizers import load_tokenizer
+from duolm.train.logs import plot_run
+from duolm.train.loop import TrainConfig, loss_validator, train
+from duolm.train.objectives import CAUSAL_LM, MLM_NSP
+
+FAMILIES = ("gpt2", "bert")
+
+
+def _opt(default, help, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    """What model to pretrain and how to build its batches; the CLI's flags are these fields."""
+    preset: str = _opt("tiny", "size preset: tiny, gpt2, gpt2-medium, ..., bert-base, bert-large")
+    block_size: int | None = _opt(None, "sequence length (default: the preset's)")
+    dropout: float | None = _opt(None, "dropout (default: the preset's)")
+    n_layer: int | None = _opt(None, "override the preset's layers")
+    n_head: int | None = _opt(None, "override the preset's heads")
+    n_embd: int | None = _opt(None, "override the preset's width (BERT: n_inner = 4x)")
+    order: str = _opt("random", "gpt2: window order", choices=("random", "shuffle", "sequential"))
+    masking: str = _opt("dynamic", "bert: masks drawn once or at every use", choices=("static", "dynamic"))
+    nsp: bool = _opt(True, "bert: next-sentence prediction (off: MLM only, as RoBERTa)")
+    whole_word: bool = _opt(False, "bert: whole-word masking")
+    masked_lm_prob: float = _opt(0.15, "bert: share of tokens masked")
+    max_predictions: int = _opt(20, "bert: masked positions per sequence at most")
+    short_seq_prob: float = _opt(0.1, "bert: share of shorter sequences")
+    dupe_factor: int = _opt(1, "bert static masking: copies with different masks")
+
+
+def setup_distributed(device: str | None = None, env=os.environ):
+    """-> (device, rank). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPUs, gloo on CPU."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    dev = torch.device(device or ("cuda" if cuda else "cpu"))
+    if world > 1:
+        if cuda:
+            dev = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+    return dev, (dist.get_rank() if world > 1 else 0)
+
+
+def build(family: str, data_dir, mc: ModelConfig, seed: int = 0):
+    """The model (fresh, seeded by `seed`), objective, train and validation batch sources, tokenizer."""
+    if family not in FAMILIES:
+        raise ValueError(f"family {family!r} is not one of {FAMILIES}")
+    data_dir = Path(data_dir)
+    meta = load_meta(data_dir)
+    tok = load_tokenizer(data_dir / "tokenizer")
+    want = "bpe" if family == "gpt2" else "wordpiece"
+    if meta["kind"] != want:
+        raise ValueError(f"{data_dir} holds {meta['kind']} data; pretraining {family} needs data prepared with a "
+                         f"{want} tokenizer (duolm tokenizer train --kind {want})")
+    sizes = {k: getattr(mc, k) for k in ("block_size", "dropout", "n_layer", "n_head", "n_embd")
+             if getattr(mc, k) is not None}
+    torch.manual_seed(seed)                                # the initial weights are a function of the seed
+    if family == "gpt2":
+        config = GPT2Config.preset(mc.preset, vocab_size=meta["vocab_size"], **sizes)
+        train_data = CausalBatches(open_split(data_dir, "train"), config.block_size, seed=seed, order=mc.order)
+        val_data = CausalBatches(open_split(data_dir, "val"), config.block_size, order="sequential")
+        return GPT2(config), CAUSAL_LM, train_data, val_data, tok
+    if mc.n_embd:
+        sizes["n_inner"] = 4 * mc.n_embd
+    config = BertConfig.preset(mc.preset, vocab_size=meta["vocab_size"], pad_token_id=tok.pad_id, **sizes)
+    common = dict(spec=MaskSpec.from_tokenizer(tok), max_seq_length=config.block_size, nsp=mc.nsp,
+                  short_seq_prob=mc.short_seq_prob, masked_lm_prob=mc.masked_lm_prob,
+                  max_predictions_per_seq=mc.max_predictions, whole_word=mc.whole_word)
+    train_data = BertBatches(load_documents(data_dir, "train"), seed=seed, masking=mc.masking,
+                             dupe_factor=mc.dupe_factor, **common)
+    val_data = BertBatches(load_documents(data_dir, "val"), seed=seed + 1, masking="static", **common)
+    return BertForPreTraining(config), MLM_NSP, train_data, val_data, tok
+
+
+def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = None,
+             train_config: TrainConfig | None = None, *, resume: bool = False, device: str | None = None,
+             on_start=None, on_log=None) -> dict:
+    """Pretrain `family` ("gpt2" | "bert") on `data_dir` (written by duolm.data.prepare) into `run_dir`.
+
+    resume: continue from the run's newest complete checkpoint. on_start(model, device, start_step) and
+    on_log(row) are called on rank 0 (the CLI prints and draws its progress bar from them). Returns
+    train()'s result; the run folder holds checkpoints, metrics.jsonl, tb/ and loss.png."""
+    mc, tc = model_config or ModelConfig(), train_config or TrainConfig()
+    dev, rank = setup_distributed(device)
+    try:
+        model, objective, train_data, val_data, tok = build(family, data_dir, mc, tc.seed)
+        model.to(dev)
+        if on_start is not None and rank == 0:
+            from duolm.runs import read_manifest
+            on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0)
+        result = train(model, objective, train_data, tc, run_dir, validate=loss_validator(objective, val_data, tc),
+                       tokenizer=tok, resume=resume, on_log=on_log)
+        if rank == 0:
+            result["plot"] = plot_run(run_dir)
+        return result
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

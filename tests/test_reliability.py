@@ -1,0 +1,266 @@
+"""Bad input and hard stops: malicious and malformed files, a full disk, typed special tokens, every CLI
+subcommand against bad input (one line naming the file or the argument, never a traceback)."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import duolm
+from duolm.checkpoint import check_safetensors_header
+from duolm.cli import main
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.tokenizers import ByteLevelBPE, WordPiece
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "the king and queen of a small land said that all men must go to sea when winter comes. " * 40
+
+
+class Exec:
+    """A pickle that would run code when loaded."""
+
+    def __reduce__(self):
+        return (exec, ("open('PWNED', 'w').write('x')",))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    bpe = ByteLevelBPE.train([TEXT], vocab_size=300)
+    torch.manual_seed(0)
+    duolm.save(GPT2(GPT2Config.preset("tiny", vocab_size=bpe.vocab_size)), root / "gpt2", tokenizer=bpe)
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(TEXT.replace(".", " .").split()))
+    (root / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    wp = WordPiece.from_vocab(root / "vocab.txt", lowercase=True)
+    duolm.save(BertForPreTraining(BertConfig.preset("tiny", vocab_size=wp.vocab_size)), root / "bert", tokenizer=wp)
+    return root
+
+
+def _fails(argv, capsys, *named):
+    """The command exits non-zero without a traceback; its last line (argparse prints its usage above it)
+    is one error line naming every string in `named`."""
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    assert e.value.code not in (0, None), err
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "error" in last, err
+    for n in named:
+        assert str(n) in last, (n, err)
+    return last
+
+
+# --- issue: a malicious train_state.pt ---------------------------------------------------------------
+
+def test_malicious_train_state_is_refused_in_one_line(tmp_path):
+    from duolm.train import TrainConfig, save_checkpoint
+
+    model = GPT2(GPT2Config.preset("tiny"))
+    save_checkpoint(tmp_path / "run", 2, model, {"step": 2})
+    state = tmp_path / "run" / "ckpt-00000002" / "train_state.pt"
+    torch.save({"step": 2, "payload": Exec()}, state)
+    code = ("import sys; from duolm.train import load_train_state; from duolm.models import GPT2, GPT2Config\n"
+            f"load_train_state({str(tmp_path / 'run')!r}, GPT2(GPT2Config.preset('tiny')))")
+    env = {**os.environ, "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1", "PYTHONPATH": str(ROOT / "src")}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert p.returncode != 0 and not (tmp_path / "PWNED").exists()
+    last = p.stderr.strip().splitlines()[-1]
+    assert f"{state}: refused as unsafe" in last and "weights_only=False" not in p.stderr
+    TrainConfig()  # the config itself is fine: only the file was refused
+
+
+# --- issue: safetensors headers ------------------------------------------------------------------
+
+def _safetensors(path: Path, header: bytes, body: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + body)
+    return path
+
+
+def test_duplicate_safetensors_keys_are_refused(tmp_path, models):
+    entry = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+    f = _safetensors(tmp_path / "dup.safetensors", f'{{"a":{entry},"a":{entry}}}'.encode(), b"\0" * 4)
+    with pytest.raises(ValueError, match=r"dup\.safetensors.*'a' twice"):
+        check_safetensors_header(f)
+    many = "{" + ",".join(f'"t{i}":{entry}' for i in range(100_001)) + "}"
+    with pytest.raises(ValueError, match="100001 entries, over the limit"):
+        check_safetensors_header(_safetensors(tmp_path / "many.safetensors", many.encode(), b"\0" * 4))
+    # through a whole model directory, and the CLI
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text((models / "gpt2" / "config.json").read_text())
+    _safetensors(d / "model.safetensors", f'{{"wte.weight":{entry},"wte.weight":{entry}}}'.encode(), b"\0" * 4)
+    with pytest.raises(ValueError, match="'wte.weight' twice"):
+        duolm.load(d)
+
+
+def test_safetensors_header_fuzz_gives_clear_errors_fast(models, tmp_path):
+    """3,000 mutations of a real file's header: each read is a ValueError naming the file (or a valid
+    load), none slower than a second."""
+    good = (models / "gpt2" / "model.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", good[:8])
+    rng = random.Random(0)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text((models / "gpt2" / "config.json").read_text())
+    outcomes = {"error": 0, "loaded": 0}
+    for i in range(3000):
+        b = bytearray(good)
+        kind = i % 4
+        if kind == 0:                                   # flip bytes inside the header
+            for _ in range(rng.randint(1, 4)):
+                b[rng.randrange(8, 8 + n)] = rng.randrange(256)
+        elif kind == 1:                                 # a wrong header length
+            b[:8] = struct.pack("<Q", rng.choice([0, 1, n - 1, n + 1, len(good), 2 ** 63, rng.randrange(2 ** 64)]))
+        elif kind == 2:                                 # truncated anywhere
+            b = b[:rng.randrange(len(b))]
+        else:                                           # digits changed (shapes, offsets)
+            digits = [j for j in range(8, 8 + n) if chr(b[j]).isdigit()]
+            for j in rng.sample(digits, 2):
+                b[j] = ord(str(rng.randrange(10)))
+        (d / "model.safetensors").write_bytes(bytes(b))
+        t = time.perf_counter()
+        try:
+            duolm.load(d)
+            outcomes["loaded"] += 1
+        except ValueError as e:
+            assert "model.safetensors" in str(e), str(e)
+            outcomes["error"] += 1
+        assert time.perf_counter() - t < 1.0
+    assert outcomes["error"] > 2500
+
+
+# --- issue: a full disk during a checkpoint ----------------------------------------------------------
+
+def _limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (400_000, 400_000))     # any write past 400 kB fails
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)                     # ... with an OSError, not a signal
+
+
+def test_a_full_disk_during_a_checkpoint_gives_one_line_and_no_temp_files(tmp_path):
+    """The first checkpoint fits; a bigger model's checkpoint does not: one line, the last complete checkpoint
+    named, no temp file left, and that checkpoint still loads."""
+    from duolm.data import prepare
+
+    (tmp_path / "c.txt").write_text(TEXT.replace(". ", ".\n") * 5)
+    prepare([tmp_path / "c.txt"], ByteLevelBPE.train([TEXT], vocab_size=300), tmp_path / "d", val_fraction=0.2,
+            chunk_chars=2000)
+    run = tmp_path / "run"
+    base = [sys.executable, "-m", "duolm", "pretrain", "gpt2", "--data", tmp_path / "d", "-o", run, "--quiet",
+            "--block-size", "16", "--batch-size", "2", "--max-steps", "2", "--eval-every", "0"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    subprocess.run([str(a) for a in base], check=True, env=env, capture_output=True)
+    p = subprocess.run([str(a) for a in base + ["--max-steps", "4", "--resume", "--n-embd", "64", "--n-layer", "2"]],
+                       env=env, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    err = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert err[-1].startswith("duolm: error: could not write checkpoint") and "ckpt-00000002" in err[-1], err
+    leftovers = [q.name for q in run.rglob("*") if q.name.startswith(".") or q.name.endswith(".tmp")]
+    assert leftovers == []
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 2
+    duolm.load(run)
+
+
+# --- issue: typed special tokens are text -------------------------------------------------------------
+
+def test_typed_special_tokens_are_text(models, capsys):
+    main(["tokenizer", "encode", str(models / "gpt2"), "Hello<|endoftext|>World"])
+    out = capsys.readouterr().out
+    eot = duolm.load(models / "gpt2")[1].eot_id
+    assert f" {eot}," not in out and f"[{eot}," not in out and "plain text" in out
+    main(["tokenizer", "encode", str(models / "gpt2"), "Hello<|endoftext|>World", "--allow-special"])
+    assert f"{eot}" in capsys.readouterr().out.split("pieces")[0]
+    from duolm.generation import generate_text
+
+    model, tok = duolm.load(models / "gpt2")
+    gen = generate_text(model, tok, "<|endoftext|>", 1, temperature=0)
+    list(gen)
+    assert gen.prompt_ids == tok.encode("<|endoftext|>", disallowed_special=()) and eot not in gen.prompt_ids
+    gen = generate_text(model, tok, "<|endoftext|>", 1, temperature=0, allow_special=True)
+    list(gen)
+    assert gen.prompt_ids == [eot]
+
+
+# --- issue: bounded config sizes, named files ---------------------------------------------------------
+
+def test_unreasonable_config_sizes_and_garbage_json_name_the_file(models, tmp_path):
+    import shutil
+
+    d = tmp_path / "huge"
+    shutil.copytree(models / "gpt2", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["config"]["vocab_size"] = 2 ** 40
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=rf"{d / 'config.json'}.*vocab_size={2 ** 40} must be an integer in \[1, "):
+        duolm.load(d)
+    for name in ("config.json", "checkpoint.json"):
+        g = tmp_path / ("garbage-" + name)
+        g.mkdir()
+        (g / name).write_text("{not json")
+        with pytest.raises(ValueError, match=rf"{g / name}: not valid JSON"):
+            duolm.load(g)
+    from duolm.data import load_meta
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "meta.json").write_text("")
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'data' / 'meta.json'}: not valid JSON"):
+        load_meta(tmp_path / "data")
+
+
+# --- every subcommand against bad input ---------------------------------------------------------------
+
+def test_every_subcommand_fails_cleanly_on_bad_input(models, tmp_path, capsys):
+    import shutil
+
+    missing = tmp_path / "missing"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("caf\xe9".encode("latin-1"))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 1, "n_embd": 8, "n_head": 2,
+                                                     "vocab_size": 10, "n_positions": 8}))
+    torch.save({"x": Exec()}, bin_dir / "pytorch_model.bin")
+    bad_run = tmp_path / "run"
+    bad_run.mkdir()
+    (bad_run / "checkpoint.json").write_text('{"latest": "../../etc", "checkpoints": []}')
+    cases = [
+        (["tokenizer", "encode", missing, "hi"], [missing]),
+        (["tokenizer", "encode", empty, "hi"], [empty, "duolm tokenizer train"]),
+        (["tokenizer", "train", "--kind", "bpe", "--vocab-size", "300", missing, "-o", tmp_path / "t"], [missing]),
+        (["tokenizer", "train", "--kind", "wordpiece", "--vocab-size", "x", latin1, "-o", tmp_path / "t"],
+         ["--vocab-size"]),
+        (["convert", missing, tmp_path / "o"], [missing]),
+        (["convert", empty, tmp_path / "o"], [empty / "config.json"]),
+        (["convert", bin_dir, tmp_path / "o"], [bin_dir / "pytorch_model.bin", "refused as unsafe"]),
+        (["convert", bad_run, tmp_path / "o"], [bad_run / "checkpoint.json", "outside"]),
+        (["convert", models / "gpt2", tmp_path / "o", "--to", "onnx"], ["--to"]),
+        (["prepare", latin1, "--tokenizer", models / "gpt2", "-o", tmp_path / "p"], [latin1, "UTF-8"]),
+        (["prepare", missing, "--tokenizer", models / "gpt2", "-o", tmp_path / "p"], [missing]),
+        (["prepare", latin1, "--tokenizer", missing, "-o", tmp_path / "p"], [missing]),
+        (["pretrain", "gpt2", "--data", missing, "-o", tmp_path / "r"], [missing / "meta.json"]),
+        (["pretrain", "gpt2", "--data", empty, "-o", tmp_path / "r", "--batch-size", "0"], ["batch_size=0"]),
+        (["pretrain", "gpt2", "--data", empty, "-o", tmp_path / "r", "--decay", "exp"], ["--decay"]),
+        (["pretrain", "gpt3", "--data", empty, "-o", tmp_path / "r"], ["gpt3"]),
+        (["generate", models / "bert", "hello"], ["GPT-2"]),
+        (["generate", models / "gpt2", "hello", "--max-new-tokens", "-1"], ["max_new_tokens (-1)"]),
+        (["generate", models / "gpt2", "hello " * 100], ["context window is 64", "truncate"]),
+        (["generate", models / "gpt2", "hello", "--top-p", "1.5"], ["top_p"]),
+        (["fill-mask", models / "gpt2", "a [MASK]"], ["masked-LM head"]),
+        (["fill-mask", models / "bert", "no mask here"], ["[MASK]"]),
+        (["demo", "--text", missing, "-o", tmp_path / "demo"], [missing]),
+    ]
+    for argv, named in cases:
+        _fails(argv, capsys, *named)
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+    shutil.rmtree(tmp_path / "o", ignore_errors=True)
