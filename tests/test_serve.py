@@ -19,11 +19,11 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi.testclient import TestClient  # noqa: E402
 
 import duolm  # noqa: E402
-from duolm.generation import TextStream, fill_mask, generate  # noqa: E402
+from duolm import cli  # noqa: E402
+from duolm.generation import StopReason, TextStream, fill_mask_text, generate, generate_text  # noqa: E402
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noqa: E402
-from duolm.serve import bind_warning, read_api_key  # noqa: E402
-from duolm.serve.__main__ import main as serve_main  # noqa: E402
-from duolm.serve.app import ServeOptions, create_app  # noqa: E402
+from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
+from duolm.serve.app import create_app  # noqa: E402
 from duolm.serve.encoders import EncoderWorker, Pooling, pool, read_pooling  # noqa: E402
 from duolm.serve.metrics import percentile  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
@@ -70,26 +70,27 @@ def gpt2(gpt2_dir):
     return duolm.load(gpt2_dir)
 
 
-def library_completion(model, tok, ids, max_tokens, seed, temperature=1.0, top_k=None, top_p=None, stop=()):
-    """What the library gives for one prompt: generate() with the seed's generator and
-    <|endoftext|> as stop id, then the text cut before the first stop string."""
-    gen = generate(model, [ids], max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                   stop=[[tok.eot_id]], generator=torch.Generator().manual_seed(seed))
+def library_completion(model, tok, prompt, max_tokens, seed, temperature=1.0, top_k=None, top_p=None, stop=()):
+    """The library's answer for one text prompt: generate_text's text, and "stop" when it ended at
+    <|endoftext|> or a stop string, "length" otherwise."""
+    gen = generate_text(model, tok, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        stop=stop, seed=seed)
+    text = "".join(gen)
+    return text, "stop" if gen.stop_reason in (StopReason.STOP, "stop") else "length"
+
+
+def library_tokens(model, tok, ids, max_tokens, seed, **kw):
+    """The ids generate() draws after `ids` (<|endoftext|> included when it ends there)."""
+    gen = generate(model, [ids], max_tokens, stop=[[tok.eot_id]], generator=torch.Generator().manual_seed(seed), **kw)
     for _ in gen:
         pass
-    tokens = gen.tokens[0]
-    reason = "stop" if tokens and tokens[-1] == tok.eot_id else "length"
-    text = tok.decode(tokens[:-1] if reason == "stop" else tokens)
-    cuts = [text.find(s) for s in stop if s in text]
-    if cuts:
-        text, reason = text[:min(cuts)], "stop"
-    return text, reason, tokens
+    return gen.tokens[0]
 
 
 @pytest.fixture(scope="module")
 def client(gpt2):
     model, tok = gpt2
-    with TestClient(create_app(model, tok, ServeOptions(model_name="tiny"))) as c:
+    with TestClient(create_app(model, tok, ServeConfig(model_name="tiny"))) as c:
         yield c
 
 
@@ -148,11 +149,13 @@ def test_api_key_file(tmp_path, capsys):
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_api_key(tmp_path / "empty")
-    # the command line prints one line, no traceback
-    assert serve_main([str(tmp_path), "--api-key-file", str(tmp_path / "empty")]) == 1
-    assert capsys.readouterr().err.strip().count("\n") == 0
-    assert serve_main([str(tmp_path / "missing")]) == 1
-    assert "no such model directory" in capsys.readouterr().err
+    # `duolm serve` prints one line, no traceback
+    for argv, says in ([str(tmp_path), "--api-key-file", str(tmp_path / "empty")], "file is empty"), \
+                      ([str(tmp_path / "missing")], "no such model directory"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.strip().count("\n") == 0
 
 
 def test_read_pooling(tmp_path):
@@ -168,6 +171,18 @@ def test_read_pooling(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="1_Pooling.config.json: pooling \\['max_tokens'\\] is not supported"):
         read_pooling(tmp_path)
+
+
+def test_imports():
+    """The CLI builds its parser without the 'serve' extra; the server pulls in no test reference."""
+    import subprocess
+    import sys
+    code = ("import sys, duolm.cli\nduolm.cli.build_parser()\nprint(' '.join(sys.modules))\n"
+            "import duolm.serve.app\nprint(' '.join(sys.modules))")
+    cli_mods, serve_mods = (set(line.split()) for line in subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines())
+    assert not {"fastapi", "uvicorn", "starlette"} & cli_mods
+    assert not {"openai", "sentence_transformers", "transformers", "tokenizers", "tiktoken"} & serve_mods
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,10 +319,9 @@ def test_completions_equal_library(client, gpt2):
     assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
     n_tokens = 0
     for c in out["choices"]:
-        ids = tok.encode(prompts[c["index"] // 2])
-        text, reason, tokens = library_completion(model, tok, ids, 24, 7 + c["index"], 0.8, 50, 0.9)
-        assert (c["text"], c["finish_reason"]) == (text, reason)
-        n_tokens += len(tokens)
+        prompt, seed = prompts[c["index"] // 2], 7 + c["index"]
+        assert (c["text"], c["finish_reason"]) == library_completion(model, tok, prompt, 24, seed, 0.8, 50, 0.9)
+        n_tokens += len(library_tokens(model, tok, tok.encode(prompt), 24, seed, temperature=0.8, top_k=50, top_p=0.9))
     assert out["choices"][0]["text"] != out["choices"][1]["text"]     # n samples differ (seeds 7, 8)
     prompt_tokens = sum(len(tok.encode(p)) for p in prompts)
     assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
@@ -316,12 +330,14 @@ def test_completions_equal_library(client, gpt2):
 
 def test_completions_stop_string_and_token_prompt(client, gpt2):
     model, tok = gpt2
-    ids = tok.encode("In the beginning")
-    free, _, _ = library_completion(model, tok, ids, 30, 3, temperature=0.0)
+    free, _ = library_completion(model, tok, "In the beginning", 30, 3, temperature=0.0)
     stop = free[12:16]
+    want = library_completion(model, tok, "In the beginning", 30, 3, temperature=0.0, stop=[stop, "zzzz"])
+    assert want == (free[:free.find(stop)], "stop")
+    ids = tok.encode("In the beginning")                       # the same prompt as token ids
     r = client.post("/v1/completions", json=dict(prompt=ids, max_tokens=30, temperature=0, stop=[stop, "zzzz"]))
     c = r.json()["choices"][0]
-    assert c["finish_reason"] == "stop" and c["text"] == free[:free.find(stop)] and stop not in c["text"]
+    assert (c["text"], c["finish_reason"]) == want
     assert r.json()["usage"]["completion_tokens"] < 30       # generation ended at the stop string
 
 
@@ -330,7 +346,7 @@ def test_completions_logprobs_and_echo(client, gpt2):
     ids = tok.encode("Logprobs are log-probabilities")
     r = client.post("/v1/completions", json=dict(prompt=ids, max_tokens=5, seed=11, logprobs=3, echo=True))
     c = r.json()["choices"][0]
-    _, _, tokens = library_completion(model, tok, ids, 5, 11)
+    tokens = library_tokens(model, tok, ids, 5, 11)
     lp = c["logprobs"]
     assert lp["tokens"] == [tok.decode([t]) for t in ids + tokens]
     assert c["text"] == tok.decode(ids + tokens)
@@ -358,7 +374,7 @@ def test_stream_equals_non_stream_and_is_utf8_safe(client, gpt2):
     # a seed whose first sample has tokens that are not whole characters (bytes of one character
     # split across tokens), so the stream has something to hold back
     seed = next(s for s in range(200) if any(
-        "\ufffd" in tok.decode([t]) for t in library_completion(model, tok, tok.encode(prompts[0]), 40, s)[2]))
+        "\ufffd" in tok.decode([t]) for t in library_tokens(model, tok, tok.encode(prompts[0]), 40, s)))
     body = dict(prompt=prompts, max_tokens=40, seed=seed, n=2)
     whole = client.post("/v1/completions", json=body).json()
     r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
@@ -496,7 +512,7 @@ def test_models_and_metrics(client):
 
 def test_api_key(gpt2):
     model, tok = gpt2
-    with TestClient(create_app(model, tok, ServeOptions(api_key="s3cret"))) as c:
+    with TestClient(create_app(model, tok, ServeConfig(api_key="s3cret"))) as c:
         assert c.get("/health").status_code == 200                   # open for load balancers
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
                         {"Authorization": "Bearer s3cret2"}, {"Authorization": "Bearer "}):
@@ -543,7 +559,7 @@ def slow_server(gpt2):
     model, tok = gpt2
     slow = SlowGPT2(model.config).eval()
     slow.load_state_dict(model.state_dict())
-    with serving(create_app(slow, tok, ServeOptions(max_concurrency=1, max_queue=1))) as url:
+    with serving(create_app(slow, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url:
         yield url
 
 
@@ -607,7 +623,7 @@ def bert(data_dir):
 @pytest.fixture(scope="module")
 def bert_client(bert):
     model, tok = bert
-    with TestClient(create_app(model, tok, ServeOptions(model_name="tiny-bert", batch_window_s=0.05))) as c:
+    with TestClient(create_app(model, tok, ServeConfig(model_name="tiny-bert", batch_window_s=0.05))) as c:
         yield c
 
 
@@ -676,15 +692,14 @@ def test_fill_mask_equals_library(bert_client, bert):
     model, tok = bert
     texts = ["the capital of france is [MASK].", "[MASK] and [MASK] went up the hill"]
     r = bert_client.post("/v1/fill-mask", json={"input": texts, "top_k": 3})
-    data = r.json()["data"]
-    for d, t in zip(data, texts):
-        want = fill_mask(model, tok.encode(t).ids, tok.mask_id, top_k=3)
-        got = [[(c["token"], c["score"]) for c in mask] for mask in d["masks"]]
-        assert [[i for i, _ in m] for m in got] == [[i for i, _ in m] for m in want]
-        assert [p for m in got for _, p in m] == pytest.approx([p for m in want for _, p in m], abs=1e-6)
-        assert d["masks"][0][0]["token_str"] == tok.decode([d["masks"][0][0]["token"]], skip_special=False)
-    r = bert_client.post("/v1/fill-mask", json={"input": "no mask here"})
-    assert r.status_code == 400 and "[MASK]" in r.json()["error"]["message"]
+    for d, t in zip(r.json()["data"], texts):
+        fillers, filled = fill_mask_text(model, tok, t, top_k=3)
+        assert d["text"] == filled
+        assert [[c["token_str"] for c in m] for m in d["masks"]] == [[piece for piece, _ in m] for m in fillers]
+        assert [[c["score"] for c in m] for m in d["masks"]] == [[p for _, p in m] for m in fillers]
+        assert all(tok.inv[c["token"]] == c["token_str"] for m in d["masks"] for c in m)
+    r = bert_client.post("/v1/fill-mask", json={"input": ["a [MASK]", "no mask here"]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "input[1] has no [MASK] to fill"
 
 
 def test_fill_mask_needs_the_mlm_head(bert):

@@ -2,9 +2,9 @@
 FastAPI + uvicorn).
 
     from duolm.serve import run
-    run("path/to/model", host="127.0.0.1", port=8000, api_key=None)
+    run("path/to/model", host="127.0.0.1", port=8000)          # until SIGTERM / Ctrl-C
 
-    from duolm.serve.app import create_app, ServeOptions     # the ASGI app, for any ASGI server
+    from duolm.serve.app import create_app                     # the ASGI app, for any ASGI server
 """
 from __future__ import annotations
 
@@ -13,49 +13,64 @@ import logging
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 log = logging.getLogger("duolm.serve")
 
 
-def run(model_dir, host: str = "127.0.0.1", port: int = 8000, *, api_key: str | None = None,
-        max_concurrency: int = 16, max_queue: int = 64, drain_timeout: float = 30.0,
-        model_name: str | None = None, device: str = "cpu", log_level: str = "info") -> None:
-    """Load `model_dir` (any directory duolm.load reads) and serve it until SIGTERM / Ctrl-C.
+@dataclass
+class ServeConfig:
+    """How the server runs. The CLI's `duolm serve` options are these fields."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind; 127.0.0.1 = this machine only"})
+    port: int = 8000
+    api_key: str | None = field(default=None, metadata={"cli": False})   # --api-key / --api-key-file
+    max_concurrency: int = field(default=16, metadata={
+        "help": "sequences decoded together (one per prompt and choice) and requests served at once"})
+    max_queue: int = field(default=64, metadata={"help": "requests that may wait beyond that; more get 429"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413"})
+    drain_timeout: float = field(default=30.0, metadata={"help": "seconds in-flight requests get after SIGTERM"})
+    model_name: str | None = field(default=None, metadata={"help": "the id clients send (default: the "
+                                                                   "model directory's name)"})
+    device: str = "cpu"
+    batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
+
+
+def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
+    """Load `model_dir` (any directory duolm.load reads) and serve it until SIGTERM / Ctrl-C;
+    `fields` override those of `config` (e.g. run(dir, host="0.0.0.0", api_key=key)).
 
     On SIGTERM the server stops accepting connections, answers 503 to new requests on open ones,
-    lets in-flight requests finish (up to `drain_timeout` seconds) and returns normally. Binding
-    an address other than loopback without `api_key` logs a warning."""
+    lets in-flight requests finish (up to drain_timeout seconds) and returns normally. Binding an
+    address other than loopback without an API key logs a warning."""
+    cfg = replace(config or ServeConfig(), **fields)
     try:
         import uvicorn
     except ImportError:
         raise ImportError("duolm serve needs the 'serve' extra: pip install 'duolm[serve]'") from None
     from duolm.checkpoint import load
     from duolm.models import GPT2
-    from duolm.serve.app import ServeOptions, create_app
+    from duolm.serve.app import create_app
     from duolm.serve.encoders import read_pooling
 
-    model, tokenizer = load(model_dir, device=device)
+    model, tokenizer = load(model_dir, device=cfg.device)
     if tokenizer is None:
         raise ValueError(f"{model_dir}: no tokenizer files (vocab.json + merges.txt or vocab.txt); "
                          "the server needs the model's tokenizer")
-    options = ServeOptions(model_name=model_name or Path(model_dir).resolve().name, api_key=api_key,
-                           max_concurrency=max_concurrency, max_queue=max_queue)
-    if not isinstance(model, GPT2):
-        options.pooling = read_pooling(model_dir)
-    warning = bind_warning(host, api_key)
+    if cfg.model_name is None:
+        cfg.model_name = Path(model_dir).resolve().name
+    warning = bind_warning(cfg.host, cfg.api_key)
     if warning:
         log.warning(warning)
-    app = create_app(model, tokenizer, options)
+    app = create_app(model, tokenizer, cfg, pooling=None if isinstance(model, GPT2) else read_pooling(model_dir))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
             app.state.draining = True          # new requests on open connections get 503
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=drain_timeout)
-    server = Server(config)
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.drain_timeout))
     # The decode thread and the event loop share the GIL, and torch releases it around every op:
     # with the default 5 ms switch interval a busy event loop makes each re-acquisition wait, and
     # a small model's step (hundreds of ops) slows tenfold under load. 0.5 ms keeps both moving.

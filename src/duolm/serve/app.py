@@ -17,7 +17,6 @@ import hmac
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,8 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from duolm.generation import fill_mask
+from duolm.generation import fill_mask_text
 from duolm.models import GPT2
+from duolm.serve import ServeConfig
 from duolm.serve.completions import Completion, encode_prompts, make_rows, to_id_lists
 from duolm.serve.encoders import EncoderWorker, Pooling, embed
 from duolm.serve.metrics import Admission, Metrics
@@ -38,26 +38,14 @@ MAX_INPUTS = 2048        # texts in one embeddings request (OpenAI's limit)
 RETRY_AFTER_S = 1
 
 
-@dataclass
-class ServeOptions:
-    """model_name: the id clients send and /v1/models lists. api_key: None = no authentication.
-    max_concurrency: sequences decoded together (the batch's rows) and requests served at once;
-    max_queue: requests waiting beyond that; the next one gets 429. batch_window_s: how long the
-    BERT worker waits to collect requests into one batch. pooling: how embeddings are pooled."""
-
-    model_name: str = "duolm"
-    api_key: str | None = None
-    max_concurrency: int = 16
-    max_queue: int = 64
-    max_body_bytes: int = 1 << 20
-    batch_window_s: float = 0.005
-    pooling: Pooling = field(default_factory=Pooling)
-
-
-def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI:
+def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert or BertForPreTraining, in eval mode) with its
-    tokenizer. The model's worker thread runs while the app's lifespan does."""
-    opts = options or ServeOptions()
+    tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
+    max_body_bytes, batch_window_s). pooling: how BERT embeddings are pooled (encoders.read_pooling;
+    default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
+    opts = config or ServeConfig()
+    name = opts.model_name or "duolm"
+    pooling = pooling or Pooling()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
     family = "gpt2" if isinstance(model, GPT2) else "bert"
@@ -102,9 +90,9 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
             raise APIError(400, f"{route} needs {what}; this server runs a {family} model "
                                 f"({type(model).__name__})", "model", "model_family_mismatch")
 
-    def check_model(name):
-        if name is not None and name != opts.model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {opts.model_name!r}",
+    def check_model(asked):
+        if asked is not None and asked != name:
+            raise APIError(404, f"model {asked!r} does not exist; this server serves {name!r}",
                            "model", "model_not_found")
 
     def admit():
@@ -123,10 +111,10 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
 
     @app.get("/v1/models")
     async def models():
-        card = {"id": opts.model_name, "object": "model", "created": int(started), "owned_by": "duolm",
+        card = {"id": name, "object": "model", "created": int(started), "owned_by": "duolm",
                 "family": family, "context_length": cfg.block_size}
         if family == "bert":
-            card["pooling"] = vars(opts.pooling)
+            card["pooling"] = vars(pooling)
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -152,7 +140,7 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
             admission.leave()
             raise
         queue: asyncio.Queue = asyncio.Queue()
-        comp = Completion(body, prompts, tokenizer, opts.model_name)
+        comp = Completion(body, prompts, tokenizer, name)
         rows = make_rows(body, prompts, tokenizer, _threadsafe_put(queue))
 
         def cleanup():
@@ -192,7 +180,7 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
         finally:
             admission.leave()
 
-    embed_fn = lambda ids: embed(model, ids, opts.pooling)   # noqa: E731 (one identity per app: batched together)
+    embed_fn = lambda ids: embed(model, ids, pooling)   # noqa: E731 (one identity per app: batched together)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):
@@ -200,18 +188,18 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
         check_model(body.model)
         if body.dimensions is not None and body.dimensions != cfg.n_embd:
             raise APIError(400, f"dimensions: this model's embeddings have {cfg.n_embd} dimensions", "dimensions")
-        limit = opts.pooling.max_length or cfg.block_size
+        limit = pooling.max_length or cfg.block_size
         ids, vecs = await run_batch(embed_fn, lambda: _bert_inputs(body.input, tokenizer, limit))
         if body.encoding_format == "base64":
             data = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vecs]
         else:
             data = [v.tolist() for v in vecs]
         n = sum(map(len, ids))
-        return {"object": "list", "model": opts.model_name, "usage": {"prompt_tokens": n, "total_tokens": n},
+        return {"object": "list", "model": name, "usage": {"prompt_tokens": n, "total_tokens": n},
                 "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
 
     def fill_fn(items):
-        return [fill_mask(model, ids, tokenizer.mask_id, top_k) for ids, top_k in items]
+        return [fill_mask_text(model, tokenizer, text, top_k) for text, top_k in items]
 
     @app.post("/v1/fill-mask")
     async def fill(body: FillMaskRequest):
@@ -219,17 +207,17 @@ def create_app(model, tokenizer, options: ServeOptions | None = None) -> FastAPI
         check_model(body.model)
         texts = [body.input] if isinstance(body.input, str) else body.input
 
-        def inputs():
-            ids = _bert_inputs(texts, tokenizer, cfg.block_size)
-            for i, x in enumerate(ids):
-                if tokenizer.mask_id not in x:
-                    raise APIError(400, f"input[{i}] has no [MASK] token to fill", "input")
-            return [(x, body.top_k) for x in ids]
+        def inputs():        # checked here, so that one bad input never fails a batch
+            for i, ids in enumerate(_bert_inputs(texts, tokenizer, cfg.block_size)):
+                if tokenizer.mask_id not in ids:
+                    raise APIError(400, f"input[{i}] has no [MASK] to fill", "input")
+            return [(t, body.top_k) for t in texts]
         _, results = await run_batch(fill_fn, inputs)
-        data = [{"index": i, "masks": [[{"token": t, "token_str": tokenizer.decode([t], skip_special=False),
-                                         "score": p} for t, p in cands] for cands in masks]}
-                for i, masks in enumerate(results)]
-        return {"object": "list", "model": opts.model_name, "data": data}
+        data = [{"index": i, "text": filled, "masks": [
+                    [{"token": tokenizer.vocab[piece], "token_str": piece, "score": p} for piece, p in fillers]
+                    for fillers in masks]}
+                for i, (masks, filled) in enumerate(results)]
+        return {"object": "list", "model": name, "data": data}
 
     return app
 

@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from duolm.fileio import read_json
+
 log = logging.getLogger("duolm.serve")
 
 ST_MODULES = "modules.json"                  # sentence-transformers' module list
@@ -47,16 +49,14 @@ def read_pooling(model_dir) -> Pooling:
     d = Path(model_dir)
     pooling_file, normalize = d / ST_POOLING, True
     if (d / ST_MODULES).is_file():
-        modules = _read_json(d / ST_MODULES)
-        if not isinstance(modules, list):
-            raise ValueError(f"{d / ST_MODULES}: expected a list of modules")
+        modules = _read_list(d / ST_MODULES)
         types = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
         if "Pooling" in types:
             pooling_file = d / types["Pooling"] / "config.json"
         normalize = "Normalize" in types
     if not pooling_file.is_file():
         return Pooling()
-    cfg = _read_json(pooling_file)
+    cfg = read_json(pooling_file)
     modes = sorted(k[len("pooling_mode_"):] for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
     mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(modes[0]) if len(modes) == 1 else None
     if mode is None:
@@ -64,15 +64,19 @@ def read_pooling(model_dir) -> Pooling:
                          "pooling_mode_mean_tokens or pooling_mode_cls_token")
     max_length = None
     if (d / ST_CONFIG).is_file():
-        max_length = _read_json(d / ST_CONFIG).get("max_seq_length")
+        max_length = read_json(d / ST_CONFIG).get("max_seq_length")
     return Pooling(mode, normalize, max_length, str(pooling_file.relative_to(d)))
 
 
-def _read_json(file: Path):
+def _read_list(file: Path) -> list:
+    """modules.json is a JSON list (fileio.read_json reads objects)."""
     try:
-        return json.loads(file.read_text(encoding="utf-8"))
+        out = json.loads(file.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(out, list):
+        raise ValueError(f"{file}: expected a list of modules")
+    return out
 
 
 def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
