@@ -440,6 +440,7 @@ def test_bad_parameters_are_400_naming_the_field(client, body, param):
     err = r.json()["error"]
     assert err["param"] == param and param in err["message"]
     assert err["type"] == "invalid_request_error"
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200   # healthy
 
 
 def test_nan_and_malformed_json_are_400(client):

@@ -128,7 +128,8 @@ def test_openai_client_completions_equal_library(gpt2_server, gpt2, gpt2_dir):
     stop = free[15:19]
     stopped = client.completions.create(model=name, prompt="Once upon a time", max_tokens=40, temperature=0,
                                         stop=[stop])
-    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == free[:free.find(stop)]
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason) == library_completion(
+        model, tok, "Once upon a time", 40, 0, temperature=0.0, stop=[stop]) == (free[:free.find(stop)], "stop")
 
     again = client.completions.create(model=name, prompt="Hello, my name is", max_tokens=20, seed=3)
     other = client.completions.create(model=name, prompt="Hello, my name is", max_tokens=20, seed=4)

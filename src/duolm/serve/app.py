@@ -83,7 +83,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
 
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)
 
     def need(ok: bool, route: str, what: str):
         if not ok:
@@ -134,20 +135,21 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
         need(family == "gpt2", "/v1/completions", "a GPT-2 model")
         check_model(body.model)
         admit()                                 # before any work: a full server answers at once
-        try:
-            prompts = await run_in_threadpool(encode_prompts, body, tokenizer, cfg.block_size)
-        except BaseException:
-            admission.leave()
-            raise
-        queue: asyncio.Queue = asyncio.Queue()
-        comp = Completion(body, prompts, tokenizer, name)
-        rows = make_rows(body, prompts, tokenizer, _threadsafe_put(queue))
+        rows = []
 
         def cleanup():
             for r in rows:
                 r.cancelled = True          # rows still waiting or running leave at the next step
             admission.leave()
 
+        try:
+            prompts = await run_in_threadpool(encode_prompts, body, tokenizer, cfg)
+            queue: asyncio.Queue = asyncio.Queue()
+            comp = Completion(body, prompts, tokenizer, name)
+            rows += make_rows(body, prompts, tokenizer, _threadsafe_put(queue))
+        except BaseException:
+            cleanup()
+            raise
         worker.submit(rows)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
@@ -180,7 +182,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
         finally:
             admission.leave()
 
-    embed_fn = lambda ids: embed(model, ids, pooling)   # noqa: E731 (one identity per app: batched together)
+    def embed_fn(ids):          # one function per app: requests for it run as one batch
+        return embed(model, ids, pooling)
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest):

@@ -2,9 +2,9 @@
 text (UTF-8 safe, stop strings, end of text), the response body and its server-sent-event chunks.
 
 Choice i * n + j is the j-th sample for prompt i, drawn with seed `seed + i * n + j` (a random seed
-when the request gives none), so one prompt with `seed` gives what `duolm.generation.generate` gives
-with `torch.Generator().manual_seed(seed)` and stop=[[<|endoftext|>]], cut before the first stop
-string. Log-probabilities are those of the raw model (before temperature, top-k and top-p).
+when the request gives none), so one prompt with `seed` gives the text and the end that
+`duolm.generation.generate_text(model, tokenizer, prompt, max_tokens, ..., stop=stop, seed=seed)`
+gives. Log-probabilities are those of the raw model (before temperature, top-k and top-p).
 """
 from __future__ import annotations
 
@@ -43,9 +43,9 @@ def to_id_lists(value, field: str, encode, vocab_size: int) -> list:
     return out
 
 
-def encode_prompts(req: CompletionRequest, tokenizer, block_size: int) -> list:
-    """The request's prompts as token ids, checked against the context window: a prompt may have
-    at most block_size - max_tokens tokens. Special tokens spelled in a text prompt are plain
+def encode_prompts(req: CompletionRequest, tokenizer, config) -> list:
+    """The request's prompts as token ids, checked against the model's `config`: ids in its
+    vocabulary, at most block_size - max_tokens of them. Special tokens spelled in a text prompt are plain
     text unless named in `allowed_special`; an empty text prompt means <|endoftext|>."""
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     eot = tokenizer.eot_id
@@ -59,7 +59,8 @@ def encode_prompts(req: CompletionRequest, tokenizer, block_size: int) -> list:
         except ValueError as e:
             raise APIError(400, f"allowed_special: {e}", "allowed_special") from None
 
-    prompts = to_id_lists(req.prompt, "prompt", encode, tokenizer.vocab_size)
+    prompts = to_id_lists(req.prompt, "prompt", encode, config.vocab_size)
+    block_size = config.block_size
     limit = block_size - max_tokens
     if limit < 1:
         raise APIError(400, f"max_tokens={max_tokens} leaves no room for a prompt in the context of "

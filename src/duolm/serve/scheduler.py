@@ -157,11 +157,9 @@ class Scheduler:
         Returns False when there was nothing to do. An exception fails the rows it touched
         ("error") and leaves the scheduler usable."""
         t0 = time.perf_counter()
-        cancelled = [j for j, r in enumerate(self._rows) if r.cancelled]
-        for j in cancelled:
-            _finish(self._rows[j], "cancelled")
-        self._leave(cancelled)
-        busy = bool(cancelled)
+        busy = any(r.cancelled for r in self._rows)
+        if busy:
+            self._guard(list(self._rows), self._drop_cancelled)
         while len(self._rows) < self.max_batch:
             with self._cond:
                 row = self._waiting.popleft() if self._waiting else None
@@ -177,6 +175,7 @@ class Scheduler:
         return busy
 
     def _guard(self, rows, fn, *args):
+        """fn(*args); on an exception the `rows` end with "error" and leave the batch."""
         try:
             with torch.inference_mode():
                 fn(*args)
@@ -188,6 +187,12 @@ class Scheduler:
             self._rows = [r for r in self._rows if id(r) not in failed]
             if not self._rows:
                 self._L = 0
+
+    def _drop_cancelled(self) -> None:
+        gone = [j for j, r in enumerate(self._rows) if r.cancelled]
+        for j in gone:
+            _finish(self._rows[j], "cancelled")
+        self._leave(gone)
 
     # --- one row: prefill, draw, finish ----------------------------------------------------------
 
