@@ -609,6 +609,50 @@ def test_non_streaming_client_that_leaves_frees_the_slot(slow_server):
     assert httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=30).status_code == 200
 
 
+def test_sigterm_drain_timeout_cuts_what_is_left(gpt2_dir):
+    """run() in this (main) thread; a client thread starts a long stream and sends SIGTERM: the
+    stream is cut after drain_timeout, and run() returns (the process would exit 0)."""
+    import os
+    import signal
+    import socket
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    seen = {}
+
+    def client():
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = dict(prompt="long", max_tokens=240, n=16, stream=True)       # far more than 1 s of work
+        lines = []
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body,
+                                                                 timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    seen["signal"] = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                lines.append(line)
+        seen["lines"] = lines
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    interval = sys.getswitchinterval()
+    try:
+        duolm.serve.run(gpt2_dir, port=port, drain_timeout=1.0)
+    finally:
+        sys.setswitchinterval(interval)
+    returned = time.monotonic()
+    thread.join(30)
+    assert "signal" in seen and returned - seen["signal"] < 15
+    assert seen["lines"] and "data: [DONE]" not in seen["lines"]        # cut, not finished
+
+
 # ---------------------------------------------------------------------------------------------
 # BERT: embeddings and fill-mask
 
