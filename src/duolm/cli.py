@@ -329,12 +329,37 @@ def _add_demo(sub):
     p.set_defaults(func=cmd_demo)
 
 
+def cmd_serve(args):
+    from duolm.serve import ServeConfig, read_api_key, run
+
+    config = options(ServeConfig, args)
+    config.api_key = read_api_key(args.api_key_file) if args.api_key_file else args.api_key
+    try:
+        run(args.dir, config)
+    except ImportError as e:            # the 'serve' extra is not installed: one line, not a traceback
+        raise ValueError(str(e)) from None
+
+
+def _add_serve(sub):
+    from duolm.serve import ServeConfig
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (extra: duolm[serve])",
+                       description="GPT-2: /v1/completions; BERT: /v1/embeddings and /v1/fill-mask; both: "
+                                   "/v1/models, /health, /metrics. SIGTERM lets in-flight requests finish.")
+    p.add_argument("dir", help="model directory (duolm, Hugging Face, or a training run)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file)")
+    key.add_argument("--api-key-file", help="file holding the API key")
+    add_options(p, ServeConfig)
+    p.set_defaults(func=cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duolm", description="GPT-2 and BERT: tokenizers, models, training, generation")
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     sub = parser.add_subparsers(dest="cmd", required=True)
     for add in (_add_tokenizer, _add_convert, _add_prepare, _add_pretrain, _add_generate, _add_fill_mask, _add_eval,
-                _add_demo):
+                _add_serve, _add_demo):
         add(sub)
     return parser
 

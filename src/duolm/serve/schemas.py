@@ -1,0 +1,64 @@
+"""Request bodies, validated by pydantic: OpenAI's field names and ranges, strict types (no "5" for
+5), unknown fields refused. A failure becomes a 400 that names the field (see app.py)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Ids = list[int]
+# OpenAI's prompt / input shapes: a string, a list of strings, token ids, a list of token-id lists
+Texts = Union[str, list[str], Ids, list[Ids]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    user: str | None = None          # accepted, unused (OpenAI's end-user id)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: Texts
+    max_tokens: Annotated[int, Field(ge=0)] | None = None                 # None: 16
+    temperature: Annotated[Float, Field(ge=0)] | None = None              # None: 1
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None              # None: 1
+    top_k: Annotated[int, Field(ge=1)] | None = None                      # extension
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2 ** 63)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extension: special tokens spelled in the prompt that become special ids (else they are text)
+    allowed_special: Literal["all"] | list[str] = []
+
+
+class EmbeddingRequest(_Request):
+    input: Texts
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+
+
+class FillMaskRequest(_Request):
+    input: str | Annotated[list[str], Field(min_length=1, max_length=256)]
+    top_k: Annotated[int, Field(ge=1, le=100)] = 5
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
