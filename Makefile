@@ -25,6 +25,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/generation.py
 	$(BIN)/python benchmarks/training.py
 	$(BIN)/python benchmarks/prepare.py
+	$(BIN)/python benchmarks/finetune.py
 	$(BIN)/python benchmarks/tf_checkpoint.py
 	$(BIN)/python benchmarks/eval.py
 

@@ -11,3 +11,14 @@ def data_dir() -> Path:
     if not DATA.is_dir():
         pytest.skip(f"reference data folder {DATA} is absent (it sits beside the checkout in CI)")
     return DATA
+
+
+@pytest.fixture
+def one_thread():
+    # tiny matmuls gain nothing from a second thread, and lose a lot when the CPU is shared
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

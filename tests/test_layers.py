@@ -18,6 +18,7 @@ LAYERS = {
     "duolm.convert": 2, "duolm.data": 2, "duolm.generation": 2, "duolm.decoding": 2,
     "duolm.checkpoint": 3,
     "duolm.train": 4, "duolm.evaluation": 4,
+    "duolm.evaluation.metrics": 1,          # pure functions of lists: fine-tuning (train) and evaluation both score with them
     "duolm.demo": 5, "duolm.serve": 5, "duolm.cli": 6, "duolm.__main__": 7,
 }
 REFERENCES = ["transformers", "tokenizers", "tiktoken", "sentence_transformers", "sklearn", "seqeval", "openai"]

