@@ -25,6 +25,8 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/generation.py
 	$(BIN)/python benchmarks/training.py
 	$(BIN)/python benchmarks/prepare.py
+	$(BIN)/python benchmarks/tf_checkpoint.py
+	$(BIN)/python benchmarks/eval.py
 
 # the demo needs only duolm and its picture/TensorBoard extras, not the test references
 DEMO_STAMP := $(VENV)/.demo

@@ -2,13 +2,16 @@
 import json
 import random
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from duolm.tokenizers import ByteLevelBPE
-from duolm.tokenizers import bpe
-from duolm.tokenizers.bpe import GPT2_PATTERN, bpe_merge, learn_merges, merge_word, split_pieces
+from duolm.tokenizers import bpe, pieces
+from duolm.tokenizers.files import bytes_to_unicode
+from duolm.tokenizers.bpe import bpe_merge, bpe_merge_long, learn_merges, merge_word
+from duolm.tokenizers.pieces import GPT2_PATTERN, pre_split, safe_chunks, split_pieces
 
 tiktoken = pytest.importorskip("tiktoken")
 hf = pytest.importorskip("tokenizers")
@@ -30,7 +33,7 @@ def hf_bpe(vocab_json, merges_txt):
 
 def tiktoken_from_vocab_json(path, special_tokens):
     """tiktoken.Encoding whose mergeable ranks are the ids of vocab.json (bytes spelled as GPT-2 spells them)."""
-    char_to_byte = {c: b for b, c in bpe.bytes_to_unicode().items()}
+    char_to_byte = {c: b for b, c in bytes_to_unicode().items()}
     vocab = json.loads(path.read_text(encoding="utf-8"))
     ranks = {bytes(char_to_byte[c] for c in t): i for t, i in vocab.items() if t not in special_tokens}
     return tiktoken.Encoding("trained", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=special_tokens)
@@ -70,7 +73,7 @@ def text_files(data_dir):
     return out
 
 
-# --- the merge step, worked ----------------------------------------------------------------------
+# --- the plain algorithm, worked --------------------------------------------------------------------
 
 def test_worked_example_aaabdaaabac():
     # SPEC: "aaabdaaabac" -> "ZabdZabac" (aa -> Z) -> "ZYdZYac" (ab -> Y); then ZY -> X gives "XdXac".
@@ -80,16 +83,103 @@ def test_worked_example_aaabdaaabac():
     w = merge_word([a, a, a, b, d, a, a, a, b, a, c], (a, a), Z)
     assert w == [Z, a, b, d, Z, a, b, a, c]
     assert merge_word(w, (a, b), Y) == [Z, Y, d, Z, Y, a, c]
+    # bpe_merge's docstring: each rank level in turn (the ranks up to a level give the state after it)
     ranks = {b"aa": 0, b"ab": 1, b"aaab": 2}
-    assert bpe_merge(b"aaabdaaabac", ranks) == [b"aaab", b"d", b"aaab", b"a", b"c"]
-    assert bpe.bytes_to_unicode()[ord(" ")] == "Ġ" and len(set(bpe.bytes_to_unicode().values())) == 256
+    piece = b"aaabdaaabac"
+    assert bpe_merge(piece, {}) == list(b"a a a b d a a a b a c".split())
+    assert bpe_merge(piece, {b"aa": 0}) == b"aa a b d aa a b a c".split()
+    assert bpe_merge(piece, {b"aa": 0, b"ab": 1}) == b"aa ab d aa ab a c".split()
+    assert bpe_merge(piece, ranks) == b"aaab d aaab a c".split() == bpe_merge_long(piece, ranks)
+    assert bytes_to_unicode()[ord(" ")] == "Ġ" and len(set(bytes_to_unicode().values())) == 256
 
 
-def test_long_merge_equals_short_merge(gpt2):
+def test_pre_split_worked_example():
+    assert pre_split("I'm   fine, 2024!\n") == ["I", "'m", "  ", " fine", ",", " 2024", "!", "\n"]
+    assert safe_chunks("one\ntwo\n  three\n four", 3) == ["one\n", "two\n  three\n", " four"]
+
+
+# --- each fast path against the plain function it replaces ---------------------------------------------
+
+@st.composite
+def rank_tables(draw):
+    """A piece over a 1-3 letter alphabet and random distinct ranks for random tokens over it: longer
+    tokens may rank below their parts, which no learned vocabulary does (the merge's heap path)."""
+    alphabet = draw(st.sampled_from([b"a", b"ab", b"abc", b"a\xc3"]))
+    tokens = draw(st.lists(st.binary(min_size=2, max_size=6).map(lambda t: bytes(alphabet[x % len(alphabet)] for x in t)),
+                           max_size=40, unique=True))
+    order = draw(st.permutations(tokens))
+    piece = draw(st.lists(st.sampled_from(alphabet), max_size=300).map(bytes))
+    return piece, {t: r for r, t in enumerate(order)}
+
+
+@settings(max_examples=300, deadline=None)
+@given(rank_tables())
+def test_long_merge_equals_plain_merge_random_ranks(case):
+    piece, ranks = case
+    assert bpe_merge_long(piece, ranks) == bpe_merge(piece, ranks)
+
+
+def test_long_merge_equals_plain_merge_on_long_pieces(gpt2, data_dir):
     rng = random.Random(0)
-    for _ in range(300):
-        piece = "".join(rng.choice("aab cdeé\u4e00") for _ in range(rng.randint(2, 60))).encode()
-        assert bpe._bpe_merge_long(piece, gpt2._ranks) == bpe_merge(piece, gpt2._ranks)
+    text = (data_dir / "wikitext-2" / "test.txt").read_text(encoding="utf-8")
+    french = (data_dir / "wmt14" / "newstest2014-fren.fr.txt").read_text(encoding="utf-8")
+    real = []  # real text without whitespace: long pieces of every kind of content
+    for source in (text, french):
+        squeezed = "".join(source[:200_000].split()).encode()
+        for _ in range(12):
+            s = rng.randrange(len(squeezed) - 1200)
+            real.append(squeezed[s:s + rng.randrange(65, 1200)])
+    repetitive = [b"a" * 3000, b"=" * 999, b"-" * 1001, b"ab" * 777, "ÃĥÃĤ".encode() * 200, "日本語".encode() * 150,
+                  b" " + b"a" * 2001, b"\xff\xfe" * 500, bytes(rng.choice(b"ab") for _ in range(2000))]
+    mixed = ["".join(rng.choice("aab cdeé\u4e00") for _ in range(rng.randint(2, 200))).encode() for _ in range(100)]
+    trained = ByteLevelBPE.train([text[:100_000]], 1000)._ranks
+    for piece in real + repetitive + mixed:
+        for ranks in (gpt2._ranks, trained):
+            assert bpe_merge_long(piece, ranks) == bpe_merge(piece, ranks), piece[:40]
+
+
+def test_fast_split_equals_plain_split_on_real_data(data_dir):
+    for path, text in text_files(data_dir):
+        text = text[:100_000]
+        assert split_pieces(text) == pre_split(text), path
+
+
+def test_encode_equals_plain_composition_on_real_data(data_dir, gpt2):
+    """encode_ordinary (fast split, piece cache, long-piece merge) = pre_split, then bpe_merge per piece."""
+    ranks, encoder = gpt2._ranks, gpt2._encoder
+    for name in ("wikitext-2/test.txt", "tinyshakespeare/input.txt", "wmt14/newstest2014-fren.fr.txt"):
+        text = (data_dir / name).read_text(encoding="utf-8")[:50_000] + "=" * 200 + " ab" * 30
+        plain = [encoder[t] for p in pre_split(text) for t in bpe_merge(p.encode(), ranks)]
+        assert gpt2.encode_ordinary(text) == plain, name
+
+
+def plain_learn_merges(word_counts, num_merges, min_frequency):
+    """learn_merges without incremental counts: count every pair, merge the best everywhere, repeat."""
+    tokens = list(bpe._BASE_TOKENS)
+    byte_id = {t[0]: i for i, t in enumerate(tokens)}
+    words = [([byte_id[b] for b in w], c) for w, c in word_counts.items()]
+    merges = []
+    while len(merges) < num_merges:
+        counts = Counter()
+        for w, c in words:
+            for p in zip(w, w[1:]):
+                counts[p] += c
+        new = [(-c, p) for p, c in counts.items() if tokens[p[0]] + tokens[p[1]] not in tokens]
+        if not new or -min(new)[0] < min_frequency:
+            return merges
+        pair = min(new)[1]
+        merges.append((tokens[pair[0]], tokens[pair[1]]))
+        tokens.append(tokens[pair[0]] + tokens[pair[1]])
+        words = [(merge_word(w, pair, len(tokens) - 1), c) for w, c in words]
+    return merges
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.lists(st.sampled_from(b"abc\xc3"), min_size=1, max_size=12).map(bytes),
+                       st.integers(1, 5), max_size=12), st.integers(0, 30), st.integers(1, 3))
+def test_incremental_training_equals_plain_training(word_counts, num_merges, min_frequency):
+    assert learn_merges(word_counts, num_merges, min_frequency) == plain_learn_merges(word_counts, num_merges,
+                                                                                      min_frequency)
 
 
 def test_min_frequency_and_determinism():
@@ -100,6 +190,35 @@ def test_min_frequency_and_determinism():
     assert b" lower" in tokens and b"ra" not in tokens and b"ar" not in tokens
     assert t1.vocab_size == 256 + len(t1._merges) + 1 < 1000 and t1.eot_id == t1.vocab_size - 1
     assert b"rare" in {a + b for a, b in ByteLevelBPE.train(texts, 1000, min_frequency=1)._merges}
+
+
+# --- where a text may be cut ----------------------------------------------------------------------------
+
+_FRAGMENTS = st.sampled_from(["a", "Ab", " ", "  ", "\n", "\n ", " \n", "\n\n", "\r\n", "\t", "é", "日本", "1", "!?",
+                              "'s", "'", "\u00a0", "\x1c", "\u2028", "\x85", " x", "<|endoftext|>"])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_FRAGMENTS, max_size=60).map("".join), st.integers(1, 30))
+def test_safe_chunks_encode_like_the_whole(gpt2, text, chunk_chars):
+    chunks = gpt2.safe_chunks(text, chunk_chars)
+    assert "".join(chunks) == text and all(chunks) and all(len(c) >= chunk_chars for c in chunks[:-1])
+    assert [p for c in chunks for p in pre_split(c)] == pre_split(text)
+    assert [i for c in chunks for i in gpt2.encode_ordinary(c)] == gpt2.encode_ordinary(text)
+
+
+def test_safe_chunks_on_real_data(gpt2, data_dir):
+    # PTB and WikiText start every line with a space: cut before " word" (a piece of its own)
+    for name in ("ptb/ptb.valid.txt", "wikitext-2/test.txt", "tinyshakespeare/input.txt"):
+        text = (data_dir / name).read_text(encoding="utf-8")[:300_000]
+        chunks = safe_chunks(text, 5000)
+        assert len(chunks) >= 40 and "".join(chunks) == text, name
+        assert [i for c in chunks for i in gpt2.encode_ordinary(c)] == gpt2.encode_ordinary(text), name
+    # a newline followed by two spaces is no cut: "\n " is one piece there, "\n" + " " if cut
+    assert pre_split("a\n") + pre_split("  b") != pre_split("a\n  b") and safe_chunks("a\n  b", 1) == ["a\n  b"]
+    assert safe_chunks("", 10) == []
+    with pytest.raises(ValueError, match="chunk_chars"):
+        safe_chunks("abc", 0)
 
 
 # --- real text against the references -------------------------------------------------------------
@@ -140,13 +259,13 @@ def test_random_unicode(gpt2, ref_tiktoken, ref_hf, text):
                                  "\u00a0", "\u3000", "\x1c", "\x00", "\u0558", "\U0003d000"]), max_size=60).map("".join))
 def test_fast_split_equals_the_pattern(text):
     # split_pieces runs stdlib `re` on ASCII stretches cut at safe newlines: the same pieces as GPT-2's pattern
-    assert split_pieces(text) == bpe._PAT.findall(text)
+    assert split_pieces(text) == pre_split(text)
 
 
 def test_code_points_in_every_category(gpt2, ref_tiktoken, ref_hf):
     # `regex` knows a newer Unicode than the references; code points they do not know must split as they do.
-    # (A scan of all 1.1M code points this way found exactly the ranges in bpe._NEWER_UNICODE; here a sample.)
-    newer = [int(h, 16) for r in bpe._NEWER_UNICODE.split() for h in r.split("-")]
+    # (A scan of all 1.1M code points this way found exactly the ranges in pieces._NEWER_UNICODE; here a sample.)
+    newer = [int(h, 16) for r in pieces._NEWER_UNICODE.split() for h in r.split("-")]
     for i, cp in enumerate(sorted({*range(0, 0x110000, 23), *newer, *(c + 1 for c in newer)} - {*range(0xD800, 0xE000)})):
         c = chr(cp)
         text = f"a{c}1 {c}{c}'s {c}1 !{c}\n"
@@ -222,6 +341,12 @@ def test_encode_batch_processes(gpt2, ref_tiktoken):
 # --- bad input -------------------------------------------------------------------------------------
 
 def test_special_token_injection(gpt2, ref_tiktoken):
+    # what a user typed is text: the one call that says so, and what it gives (issue: `duolm generate`)
+    typed = f"Hello{EOT}World"
+    assert gpt2.encode(typed, allowed_special=set(), disallowed_special=()) == [15496, 27, 91, 437, 1659, 5239, 91, 29,
+                                                                              10603]
+    assert gpt2.encode(typed, disallowed_special=()) == ref_tiktoken.encode(typed, disallowed_special=())
+    assert gpt2.encode(typed, allowed_special={EOT}) == [15496, 50256, 10603] == ref_tiktoken.encode(typed, allowed_special={EOT})
     text = f"hello {EOT} world"
     with pytest.raises(ValueError, match="allowed_special"):
         gpt2.encode(text)
@@ -271,6 +396,13 @@ def test_million_character_pieces(gpt2, ref_tiktoken):
     assert seconds("b" * 200_000) < 3 * seconds("b" * 100_000) + 0.1
 
 
+@pytest.mark.parametrize("texts", [[], [""], ["\n\n"], ["abc def"], ["é"]])
+def test_training_that_learns_nothing_raises(texts):
+    with pytest.raises(ValueError, match="nothing was learned"):
+        ByteLevelBPE.train(texts, 1000)
+    assert ByteLevelBPE.train(texts, 257).vocab_size == 257  # no merge asked for: the 256 bytes + <|endoftext|>
+
+
 def test_word_cache_is_bounded(gpt2, monkeypatch):
     monkeypatch.setattr(bpe, "_CACHE_SIZE", len(gpt2._base_cache) + 100)
     rng = random.Random(1)
@@ -289,7 +421,7 @@ def test_corrupt_files(tmp_path, data_dir):
 
     bad = tmp_path / "truncated.json"
     bad.write_text(enc[: len(enc) // 2], encoding="utf-8")
-    with pytest.raises(ValueError, match=r"truncated\.json: line \d+"):
+    with pytest.raises(ValueError, match=r"truncated\.json: not valid JSON .*line \d+"):
         ByteLevelBPE.from_files(bad, good_merges)
 
     lines = merges.splitlines(keepends=True)
@@ -317,3 +449,54 @@ def test_corrupt_files(tmp_path, data_dir):
         ByteLevelBPE.load(tmp_path / "nowhere")
     with pytest.raises(ValueError, match="vocab_size"):
         ByteLevelBPE.train(["abc"], 100)
+
+
+def test_bad_ids_and_encodings_name_the_file(tmp_path, data_dir):
+    enc = json.loads((data_dir / "gpt2" / "encoder.json").read_text(encoding="utf-8"))
+    merges = (data_dir / "gpt2" / "vocab.bpe").read_bytes()
+    vocab, bpe_file = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    bpe_file.write_bytes(merges)
+    for bad in (2 ** 40, -1, 1.5, True, "7"):
+        vocab.write_text(json.dumps({**enc, "Ġthe": bad}), encoding="utf-8")
+        with pytest.raises(ValueError, match=r"vocab\.json: token 'Ġthe': id .* is not an integer from 0"):
+            ByteLevelBPE.from_files(vocab, bpe_file)
+    vocab.write_text(json.dumps(enc), encoding="utf-8")
+    lines = merges.split(b"\n")
+    bpe_file.write_bytes(b"\n".join(lines[:500] + [b"\xff\xfe \x80"] + lines[500:]))
+    with pytest.raises(ValueError, match=r"merges\.txt: line 501: not valid UTF-8"):
+        ByteLevelBPE.from_files(vocab, bpe_file)
+    tik = tmp_path / "big.tiktoken"
+    tik.write_bytes((data_dir / "gpt2" / "gpt2.tiktoken").read_bytes() + b"YWJjZGVm 99999999999\n")
+    with pytest.raises(ValueError, match=r"big\.tiktoken: line 50257: id 99999999999"):
+        ByteLevelBPE.from_tiktoken(tik)
+    d = tmp_path / "saved"
+    ByteLevelBPE.train(["low lower lowest"] * 3, 300).save(d)
+    for specials in ('{"special_tokens": {"<|endoftext|>": 1e300}}', '{"special_tokens": ["<|endoftext|>"]}',
+                     '{"special_tokens": '):
+        (d / "special_tokens.json").write_text(specials, encoding="utf-8")
+        with pytest.raises(ValueError, match=r"special_tokens\.json"):
+            ByteLevelBPE.load(d)
+
+
+def test_failed_save_leaves_the_old_files(tmp_path, monkeypatch):
+    """A write that fails midway (the disk fills while merges.txt is written) leaves every old file as
+    it was (vocab.json, already written, is not renamed over the old one either) and no temporary file."""
+    old = ByteLevelBPE.train(["low lower lowest newer wider"] * 3, 280)
+    old.save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_open = open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        if "w" in mode and ".merges.txt." in str(file):
+            f.write("#version: 0.2\n")
+            f.close()
+            raise OSError(28, "No space left on device")
+        return f
+
+    monkeypatch.setattr("builtins.open", full_disk)
+    with pytest.raises(OSError, match="merges.txt"):
+        ByteLevelBPE.train(["the quick brown fox jumps over the lazy dog"] * 3, 290).save(tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert ByteLevelBPE.load(tmp_path)._merges == old._merges

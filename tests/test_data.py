@@ -39,6 +39,11 @@ class ByteTok:
     def encode_ordinary(self, text):
         return list(text.encode("utf-8"))
 
+    @staticmethod
+    def safe_chunks(text, chunk_chars):
+        from duolm.tokenizers.pieces import safe_chunks
+        return safe_chunks(text, chunk_chars)
+
 
 class WordTok:
     """A whitespace 'WordPiece': a word in the vocab is one id, any other word is [UNK]."""

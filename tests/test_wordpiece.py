@@ -1,10 +1,14 @@
 """WordPiece (BERT) against HF BertTokenizerFast: ids, offsets, pairs, truncation, files, training."""
 import random
+import re
 import time
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from duolm.tokenizers import wordpiece as wp
+from duolm.tokenizers.basic import basic_tokenize
 from duolm.tokenizers.wordpiece import MAX_CHARS_PER_WORD, SPECIALS, WordPiece, wordpiece
 
 transformers = pytest.importorskip("transformers")
@@ -103,6 +107,86 @@ def test_random_unicode_matches_hf(toks, text, pair):
         assert_same(ours, hf, text, pair)
 
 
+# ---- the fast paths against the plain path ----------------------------------------------------------
+
+def plain_pieces(tok, text, split_special_tokens=False):
+    """The plain path: typed special tokens, then basic_tokenize and wordpiece word by word, no caches."""
+    ids, offsets, pos = [], [], 0
+    parts = [text] if split_special_tokens else re.split(r"(\[(?:PAD|UNK|CLS|SEP|MASK)\])", text)
+    for k, part in enumerate(parts):
+        if k % 2:
+            ids.append(tok.vocab[part])
+            offsets.append((pos, pos + len(part)))
+        else:
+            for word, align in basic_tokenize(part, tok.lowercase):
+                for i, a, b in wordpiece(word, tok.vocab, tok.unk_id):
+                    ids.append(i)
+                    offsets.append((pos + align[a], pos + align[b - 1] + 1))
+        pos += len(part)
+    return ids, offsets
+
+
+def test_basic_tokenize_worked_example():
+    assert basic_tokenize("Héllo, 世界!", lowercase=True) == [
+        ("hello", (0, 1, 2, 3, 4)), (",", (5,)), ("世", (7,)), ("界", (8,)), ("!", (9,))]
+    assert basic_tokenize("Héllo,\x00 x", lowercase=False) == [("Héllo", (0, 1, 2, 3, 4)), (",", (5,)), ("x", (8,))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=_TEXTS, split=st.booleans())
+def test_fast_pieces_equal_plain_pieces(toks, text, split):
+    for ours, _ in toks.values():
+        assert ours._pieces(text, split) == plain_pieces(ours, text, split)
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_fast_pieces_equal_plain_pieces_on_real_data(toks, data_dir, name):
+    ours = WordPiece(dict(toks[name][0].vocab), lowercase=VOCABS[name])  # fresh caches
+    for path in _text_files(data_dir):
+        text = path.read_text(encoding="utf-8")[:12_000]
+        assert ours._pieces(text) == plain_pieces(ours, text), path
+        for line in text.splitlines()[:100]:
+            assert ours._pieces(line) == plain_pieces(ours, line), (path, line)
+
+
+def plain_wordpiece_merges(counts, n_merges, known, min_frequency):
+    """_learn_merges without incremental counts: count every pair, merge the best everywhere, repeat."""
+    words = [([w[0]] + ["##" + c for c in w[1:]], f) for w, f in counts.items()]
+    new = []
+    while len(new) < n_merges:
+        pairs = Counter()
+        for syms, f in words:
+            for p in zip(syms, syms[1:]):
+                pairs[p] += f
+        if not pairs or max(pairs.values()) < max(min_frequency, 1):
+            return new
+        (a, b) = min(pairs, key=lambda p: (-pairs[p], p))
+        merged = a + b[2:]
+        if merged not in known:
+            known.add(merged)
+            new.append(merged)
+        for k, (syms, f) in enumerate(words):
+            out, i = [], 0
+            while i < len(syms):
+                if syms[i:i + 2] == [a, b]:
+                    out.append(merged)
+                    i += 2
+                else:
+                    out.append(syms[i])
+                    i += 1
+            words[k] = (out, f)
+    return new
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text("abcé", min_size=1, max_size=10), st.integers(1, 5), max_size=12),
+       st.integers(0, 30), st.integers(1, 3))
+def test_incremental_training_equals_plain_training(counts, n_merges, min_frequency):
+    known = {t for w in counts for c in w for t in (c, "##" + c)}
+    assert wp._learn_merges(Counter(counts), n_merges, set(known), min_frequency, False) == \
+        plain_wordpiece_merges(counts, n_merges, set(known), min_frequency)
+
+
 # ---- slow vs fast HF tokenizers -----------------------------------------------------------------------
 
 # Inputs on which HF's slow BertTokenizer and fast BertTokenizerFast give different ids (found by a
@@ -177,6 +261,25 @@ def test_encoding_layout_and_specials(toks):
         ours.encode("a", max_length=1)
     with pytest.raises(ValueError, match="pair"):
         ours.encode("a b c", max_length=4, truncation="only_second")
+
+
+def test_typed_special_tokens(toks):
+    """[MASK] typed in the text is the mask token by default (fill-mask needs it, as HF); with
+    split_special_tokens=True every typed character is text, as HF's flag of the same name."""
+    for ours, hf in toks.values():
+        for text in ("Paris is the [MASK] of France.", "a [SEP] b [CLS][PAD]", "x[UNK]y é[MASK]", "[MASK]"):
+            assert ours.encode(text).ids == hf(text)["input_ids"]
+            e, h = ours.encode(text, split_special_tokens=True), hf(text, split_special_tokens=True,
+                                                                     return_offsets_mapping=True)
+            assert e.ids == h["input_ids"] and e.offsets == [tuple(x) for x in h["offset_mapping"]], text
+            assert set(ours.encode(text).ids[1:-1]) & ours.special_ids and not set(e.ids[1:-1]) & ours.special_ids
+            assert ours.tokenize(text, split_special_tokens=True) == [ours.inv[i] for i in e.ids[1:-1]]
+    ours, _ = toks["uncased"]
+    pair = ours.encode("a [MASK]", "b [SEP]", split_special_tokens=True)
+    assert ours.mask_id not in pair.ids and pair.ids.count(ours.sep_id) == 2
+    from duolm.tokenizers import show_pieces  # `duolm tokenizer encode`: text unless --allow-special
+    assert show_pieces(ours, "a [MASK]")[1] == ["[CLS]", "a", "[", "mask", "]", "[SEP]"]
+    assert show_pieces(ours, "a [MASK]", allow_special=True)[1] == ["[CLS]", "a", "[MASK]", "[SEP]"]
 
 
 def test_encoding_lists_built_once_and_gc_cheap(toks):
@@ -341,3 +444,61 @@ def test_train_save_loads_in_hf(data_dir, tmp_path, lowercase):
     back = WordPiece.load(tmp_path)
     for text in held_out:
         assert_same(back, hf, text)
+
+
+# ---- where a text may be cut, training that learns nothing, failed saves, bad files -----------------------
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(_PIECES, st.sampled_from(["\n", "\n\n", "\r\n", " \n "])), max_size=40).map("".join),
+       st.integers(1, 20))
+def test_safe_chunks_encode_like_the_whole(toks, text, chunk_chars):
+    ours, _ = toks["uncased"]
+    chunks = ours.safe_chunks(text, chunk_chars)
+    assert "".join(chunks) == text and all(chunks) and all(len(c) >= chunk_chars for c in chunks[:-1])
+    assert [i for c in chunks for i in ours.encode(c).ids[1:-1]] == ours.encode(text).ids[1:-1]
+
+
+def test_safe_chunks_on_real_data(toks, data_dir):
+    ours, _ = toks["cased"]
+    text = (data_dir / "conll2003" / "eng.testa").read_text(encoding="utf-8")[:200_000]
+    chunks = ours.safe_chunks(text, 5000)
+    assert len(chunks) >= 30 and "".join(chunks) == text
+    assert [t for c in chunks for t in ours.tokenize(c)] == ours.tokenize(text)
+    with pytest.raises(ValueError, match="chunk_chars"):
+        ours.safe_chunks(text, 0)
+
+
+@pytest.mark.parametrize("texts", [[], [""], [" \n\t\x00"], ["a b c"], ["ab cd"]])
+def test_training_that_learns_nothing_raises(texts):
+    with pytest.raises(ValueError, match="nothing was learned"):
+        WordPiece.train(texts, vocab_size=100)
+
+
+def test_failed_save_leaves_the_old_files(toks, tmp_path, monkeypatch):
+    """The disk fills when the new files are flushed (fsync): both old files stay, and no temp file."""
+    import os
+    toks["uncased"][0].save(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+
+    def full_disk(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        toks["cased"][0].save(tmp_path)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert WordPiece.load(tmp_path).lowercase is True
+
+
+def test_bad_config_and_vocab_name_the_file(tmp_path):
+    good = "".join(t + "\n" for t in [*SPECIALS, "a", "##b"])
+    (tmp_path / "vocab.txt").write_text(good, encoding="utf-8")
+    for text, msg in (("{", "not valid JSON"), ('{"do_lower_case": "yes"}', "do_lower_case"), ("[1]", "JSON object")):
+        (tmp_path / "tokenizer_config.json").write_text(text, encoding="utf-8")
+        with pytest.raises(ValueError, match=rf"tokenizer_config\.json: .*{msg}"):
+            WordPiece.load(tmp_path)
+    (tmp_path / "tokenizer_config.json").unlink()
+    (tmp_path / "vocab.txt").write_bytes(good.encode() + b"\xc3(\n")  # no config: the case is inferred after reading
+    with pytest.raises(ValueError, match=r"vocab\.txt, line 8: not valid UTF-8"):
+        WordPiece.load(tmp_path)

@@ -23,7 +23,6 @@ import json
 import os
 import pickle
 import struct
-import tempfile
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -32,8 +31,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save_file as _st_save_file
 
-from duolm import runs
+from duolm import hub, runs
 from duolm.convert import hf as _hf
+from duolm.convert import tf as _tf
 from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
@@ -57,7 +57,7 @@ MAX_TENSORS = 100_000
 
 # --- load --------------------------------------------------------------------------------------
 
-def load(path, device="cpu"):
+def load(path, device="cpu", env=os.environ):
     """Load a model directory -> (model, tokenizer or None). The model is in eval mode on `device`.
 
     `path` is one of:
@@ -66,25 +66,38 @@ def load(path, device="cpu"):
         GPT2Model -> GPT2) or "bert" (BertModel -> Bert; BertForPreTraining or BertForMaskedLM ->
         BertForPreTraining), weights in model.safetensors, sharded safetensors, or
         pytorch_model.bin (read with torch.load(weights_only=True); never unsafely);
-      * a training run directory holding checkpoint.json -> its newest complete checkpoint.
+      * a training run directory holding checkpoint.json -> its newest complete checkpoint;
+      * an original TensorFlow release folder: OpenAI's GPT-2 (hparams.json + model.ckpt.*) or
+        Google's BERT (bert_config.json + bert_model.ckpt.*), read without TensorFlow;
+      * a model name ("gpt2", "openai-community/gpt2-medium", "bert-base-uncased") already in the
+        local Hugging Face cache that `env` points to (HF_HUB_CACHE / HF_HOME); never downloaded.
     A BertForMaskedLM directory has no pooler and no NSP head: those are initialised fresh (from a
     fixed seed, without touching the global RNG), so MLM logits and hidden states match the
     checkpoint while pooled / NSP outputs mean nothing until trained.
 
-    The tokenizer is read from the same directory: vocab.json + merges.txt -> ByteLevelBPE,
-    vocab.txt -> WordPiece, lower-casing as tokenizer_config.json's "do_lower_case" says; without
-    that key, lower-casing is on exactly when the vocabulary holds no upper-case word piece (an
-    uncased vocab such as bert-base-uncased's), off otherwise (a cased vocab).
+    The tokenizer is read from the same directory: vocab.json + merges.txt (or OpenAI's
+    encoder.json + vocab.bpe) -> ByteLevelBPE, vocab.txt -> WordPiece, lower-casing as
+    tokenizer_config.json's "do_lower_case" says; without that key, lower-casing is on exactly when
+    the vocabulary holds no upper-case word piece (an uncased vocab such as bert-base-uncased's),
+    off otherwise (a cased vocab).
     """
     path = Path(path)
+    if not path.exists() and hub.is_repo_id(str(path)):
+        try:
+            path = hub.resolve(str(path), env)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{path}: no such model directory; as a model name: {e}") from None
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such model directory")
     if not path.is_dir():
         raise ValueError(f"{path}: is a file; duolm.load expects a model directory (config.json + weights)")
     if not (path / CONFIG).is_file() and runs.is_run(path):
         path = runs.latest_checkpoint(path)
-    cfg = read_json(path / CONFIG, f"{CONFIG} (a model directory holds {CONFIG} and its weights)")
-    if cfg.get("format") == FORMAT:
+    tf = not (path / CONFIG).is_file() and _tf.is_tf_dir(path)
+    cfg = {} if tf else read_json(path / CONFIG, f"{CONFIG} (a model directory holds {CONFIG} and its weights)")
+    if tf:
+        model = _load_tf(path)
+    elif cfg.get("format") == FORMAT:
         model = _load_native(path, cfg)
     elif "model_type" in cfg:
         model = _load_hf(path, cfg)
@@ -134,6 +147,18 @@ def _load_hf(path: Path, cfg: dict):
     heads = heads or any(a in ("BertForPreTraining", "BertForMaskedLM") for a in cfg.get("architectures") or [])
     model = _build(BertForPreTraining if heads else Bert, config)
     _load_state(model, ours, source, optional=_BERT_OPTIONAL)
+    return model
+
+
+def _load_tf(path: Path):
+    """OpenAI's GPT-2 or Google's BERT release folder (see duolm.convert.tf)."""
+    if (path / "hparams.json").is_file():
+        config, sd = _tf.gpt2_from_tf(path)
+        model = _build(GPT2, config)
+    else:
+        config, sd, heads = _tf.bert_from_tf(path)
+        model = _build(BertForPreTraining if heads else Bert, config)
+    _load_state(model, sd, f"{_tf.find_prefix(path)}.index")
     return model
 
 
@@ -362,11 +387,7 @@ def _save_safetensors(sd: dict, file: Path):
 def _save_tokenizer(tokenizer, path: Path):
     if not isinstance(tokenizer, (ByteLevelBPE, WordPiece)):
         raise ValueError(f"cannot save a {type(tokenizer).__name__} tokenizer; expected ByteLevelBPE or WordPiece")
-    # The tokenizer writes into a scratch folder beside the target; each file is then renamed in.
-    with tempfile.TemporaryDirectory(dir=path, prefix=".tok-") as tmp:
-        tokenizer.save(tmp)
-        for f in sorted(Path(tmp).iterdir()):
-            os.replace(f, path / f.name)
+    tokenizer.save(path)      # every file written atomically, all of them before any is replaced
 
 
 def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:

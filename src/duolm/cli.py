@@ -82,7 +82,8 @@ def cmd_convert(args):
 
 def _add_convert(sub):
     p = sub.add_parser("convert", help="convert a model directory between duolm and Hugging Face formats")
-    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert) or training-run directory")
+    p.add_argument("src", help="duolm, Hugging Face (gpt2/bert), original TensorFlow release or training-run "
+                               "directory, or a model name in the local Hugging Face cache (e.g. gpt2)")
     p.add_argument("dst", help="output directory (created; files in it are replaced)")
     p.add_argument("--to", choices=["duolm", "hf"], default="duolm", help="output format (default: duolm)")
     p.set_defaults(func=cmd_convert)
@@ -215,7 +216,8 @@ def _add_generate(sub):
     p = sub.add_parser("generate", help="continue a prompt with a GPT-2 model",
                        description="Prints the prompt and its continuation; stops at <|endoftext|>, a --stop "
                                    "string, --max-new-tokens or the end of the context window.")
-    p.add_argument("dir", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("dir", help="model directory (duolm, Hugging Face, TensorFlow release, or a training run) "
+                               "or a model name in the local Hugging Face cache")
     p.add_argument("prompt", help="text to continue (may be empty: then it starts from <|endoftext|>)")
     p.add_argument("--max-new-tokens", type=int, default=100)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
@@ -257,6 +259,60 @@ def _add_fill_mask(sub):
     p.add_argument("text", help='text with one or more [MASK], e.g. "The capital of France is [MASK]."')
     p.add_argument("--top-k", type=int, default=5, help="fillers shown per mask (default 5)")
     p.set_defaults(func=cmd_fill_mask)
+
+
+def cmd_eval(args):
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from duolm.checkpoint import load
+    from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
+    from duolm.fileio import write_json, write_text
+
+    if not ((args.task and args.data) or (args.suite and args.data_dir)):
+        raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
+    model, tok = load(args.model)
+    bars = {}
+
+    def progress(task, done, total, metrics):
+        if task not in bars:
+            bars[task] = tqdm(desc=task, total=total, disable=args.json, leave=False)
+        bar = bars[task]
+        bar.update(done - bar.n)
+        bar.set_postfix(metrics)
+
+    opts = dataclasses.asdict(options(EvalOptions, args))
+    try:
+        result = (run_suite(model, tok, args.data_dir, progress, **opts) if args.suite else
+                  evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    table = markdown(result)
+    if args.out:
+        write_json(args.out, result)
+        write_text(Path(args.out).with_suffix(".md"), table + "\n")
+    print(json.dumps(result) if args.json else table)
+
+
+def _add_eval(sub):
+    from duolm.evaluation import TASKS, EvalOptions
+
+    p = sub.add_parser("eval", help="zero-shot evaluation of a GPT-2 model with the GPT-2 paper's protocols",
+                       description="Perplexity per word / bits per byte with sliding windows and invertible "
+                                   "de-tokenizers, LAMBADA, CBT, and the prompted tasks; prints each metric with "
+                                   "its protocol and, for the released GPT-2 sizes, the paper's number.")
+    p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("--task", choices=list(TASKS), help="one task, with --data")
+    p.add_argument("--data", help="the task's file (for translate: either file of the aligned pair)")
+    p.add_argument("--suite", choices=["gpt2-paper"], help="every Table 3 task whose file is in --data-dir")
+    p.add_argument("--data-dir", help="folder of the suite's files")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("-o", "--out", help="write the result as JSON here and the markdown table beside it (.md)")
+    add_options(p.add_argument_group("protocol"), EvalOptions)
+    p.set_defaults(func=cmd_eval)
 
 
 def cmd_demo(args):
@@ -302,8 +358,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="duolm", description="GPT-2 and BERT: tokenizers, models, training, generation")
     parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    for add in (_add_tokenizer, _add_convert, _add_prepare, _add_pretrain, _add_generate, _add_fill_mask, _add_serve,
-                _add_demo):
+    for add in (_add_tokenizer, _add_convert, _add_prepare, _add_pretrain, _add_generate, _add_fill_mask, _add_eval,
+                _add_serve, _add_demo):
         add(sub)
     return parser
 

@@ -24,26 +24,6 @@ def tokenizer_kind(tokenizer) -> str:
     return "wordpiece" if hasattr(tokenizer, "sep_id") else "bpe"
 
 
-# A byte-level BPE chunk may end only at a newline where GPT-2's pre-tokenizer always ends a piece, so
-# encoding the chunks one by one gives exactly the ids of encoding the whole text: a newline between two
-# non-space characters (a piece of its own), or one followed by a space and a non-space character (the
-# whitespace run ends at the newline: the space starts the next piece, " word" / " =" ...). The second
-# kind is what lets PTB and WikiText (every line starts with a space) be cut at all.
-_SAFE_SPLIT = regex.compile(r"(?<=\S)\n(?=\S)|\n(?= \S)")
-
-
-def _bpe_chunks(text: str, chunk_chars: int) -> list[str]:
-    out, start = [], 0
-    while len(text) - start > chunk_chars:
-        m = _SAFE_SPLIT.search(text, start + chunk_chars)
-        if m is None:
-            break
-        out.append(text[start:m.end()])
-        start = m.end()
-    out.append(text[start:])
-    return out
-
-
 def _wordpiece_chunks(text: str, chunk_chars: int) -> list[str]:
     """Whole documents (blank-line separated) grouped into chunks of at most about chunk_chars; a document
     longer than chunk_chars is cut at line ends into several documents."""
@@ -229,7 +209,7 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
             raise ValueError(f"{f} is not UTF-8 text ({e}); convert it first") from None
         if kind == "bpe":
             if text:
-                chunks.extend((doc, c) for c in _bpe_chunks(text, chunk_chars))
+                chunks.extend((doc, c) for c in tokenizer.safe_chunks(text, chunk_chars))
         else:
             text = text.replace("\r\n", "\n")
             chunks.extend((doc, c) for c in _wordpiece_chunks(text, chunk_chars))

@@ -8,19 +8,22 @@ __all__ = ["ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "sh
 
 
 def load_tokenizer(directory, required: bool = True):
-    """The tokenizer saved in `directory`: vocab.json + merges.txt -> ByteLevelBPE, vocab.txt ->
-    WordPiece. When the directory holds neither: an error, or None if not `required`."""
+    """The tokenizer saved in `directory`: vocab.json + merges.txt (or OpenAI's encoder.json +
+    vocab.bpe, the same format) -> ByteLevelBPE, vocab.txt -> WordPiece. When the directory holds
+    neither: an error, or None if not `required`."""
     d = Path(directory)
     if (d / "vocab.json").is_file() and (d / "merges.txt").is_file():
         return ByteLevelBPE.load(d)
+    if (d / "encoder.json").is_file() and (d / "vocab.bpe").is_file():
+        return ByteLevelBPE.from_files(d / "encoder.json", d / "vocab.bpe")
     if (d / "vocab.txt").is_file():
         return WordPiece.load(d)
     if not required:
         return None
     if not d.is_dir():
         raise FileNotFoundError(f"{d}: no such tokenizer directory")
-    raise ValueError(f"{d}: no tokenizer files (vocab.json + merges.txt for byte-level BPE, or vocab.txt for "
-                     f"WordPiece); train one with `duolm tokenizer train`")
+    raise ValueError(f"{d}: no tokenizer files (vocab.json + merges.txt or encoder.json + vocab.bpe for byte-level "
+                     f"BPE, or vocab.txt for WordPiece); train one with `duolm tokenizer train`")
 
 
 def train_tokenizer(kind: str, files, vocab_size: int, min_frequency: int = 2, lowercase: bool = True,
@@ -49,5 +52,5 @@ def show_pieces(tok, text: str, allow_special: bool = False) -> tuple[list[int],
         ids = tok.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         raw = [tok.decode_bytes([i]) for i in ids]
         return ids, [b.decode() if b.decode(errors="replace") == b.decode(errors="ignore") else str(b) for b in raw]
-    ids = tok.encode(text).ids
+    ids = tok.encode(text, split_special_tokens=not allow_special).ids
     return ids, [tok.inv[i] for i in ids]
