@@ -2,6 +2,8 @@
 
     GPT-2: POST /v1/completions (continuous batching, scheduler.py)
     BERT:  POST /v1/embeddings, POST /v1/fill-mask (collected into batches, encoders.py)
+    a fine-tuned head (duolm.train.finetune.predict, batched alike): POST /v1/classify (classify,
+           regress), /v1/ner (tag), /v1/qa (span); only the one its head answers
     both:  GET /v1/models, GET /health, GET /metrics
 
 In front of every route (the `_Gate` middleware): while draining (SIGTERM) 503; with an API key,
@@ -26,21 +28,24 @@ from starlette.exceptions import HTTPException
 
 from duolm.generation import fill_mask_text
 from duolm.models import GPT2
+from duolm.models.heads import HEAD_MODELS, GPT2ForSequence
 from duolm.serve import ServeConfig
 from duolm.serve.completions import Completion, encode_prompts, make_rows, to_id_lists
 from duolm.serve.encoders import EncoderWorker, Pooling, embed
 from duolm.serve.metrics import Admission, Metrics
 from duolm.serve.scheduler import Scheduler
-from duolm.serve.schemas import APIError, CompletionRequest, EmbeddingRequest, FillMaskRequest
+from duolm.serve.schemas import (MAX_INPUTS, APIError, ClassifyRequest, CompletionRequest, EmbeddingRequest,
+                                 FillMaskRequest, NERRequest, QARequest)
+from duolm.train.finetune import predict
 
-ROUTES = ("/v1/completions", "/v1/embeddings", "/v1/fill-mask", "/v1/models", "/health", "/metrics")
-MAX_INPUTS = 2048        # texts in one embeddings request (OpenAI's limit)
+ROUTES = ("/v1/completions", "/v1/embeddings", "/v1/fill-mask", "/v1/classify", "/v1/ner", "/v1/qa", "/v1/models",
+          "/health", "/metrics")
 RETRY_AFTER_S = 1
 
 
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
-    """A FastAPI app serving `model` (GPT2, Bert or BertForPreTraining, in eval mode) with its
-    tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
+    """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
+    in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
     max_body_bytes, batch_window_s). pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
@@ -48,9 +53,11 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     pooling = pooling or Pooling()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
-    family = "gpt2" if isinstance(model, GPT2) else "bert"
+    family = "gpt2" if isinstance(model, (GPT2, GPT2ForSequence)) else "bert"
+    head = model.head if isinstance(model, HEAD_MODELS) else None
+    served = type(model).__name__ + (f", a fine-tuned {head.kind} head" if head else "")
     cfg = model.config
-    worker = Scheduler(model, opts.max_concurrency) if family == "gpt2" else EncoderWorker(opts.batch_window_s)
+    worker = Scheduler(model, opts.max_concurrency) if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s)
     admission = Admission(opts.max_concurrency + opts.max_queue)
     metrics = Metrics()
     started = time.time()
@@ -89,7 +96,7 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     def need(ok: bool, route: str, what: str):
         if not ok:
             raise APIError(400, f"{route} needs {what}; this server runs a {family} model "
-                                f"({type(model).__name__})", "model", "model_family_mismatch")
+                                f"({served})", "model", "model_family_mismatch")
 
     def check_model(asked):
         if asked is not None and asked != name:
@@ -116,6 +123,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
                 "family": family, "context_length": cfg.block_size}
         if family == "bert":
             card["pooling"] = vars(pooling)
+        if head is not None:
+            card["head"] = {"kind": head.kind, "labels": head.labels, "task": head.task, "max_length": head.max_length}
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
@@ -132,7 +141,7 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        need(family == "gpt2", "/v1/completions", "a GPT-2 model")
+        need(isinstance(model, GPT2), "/v1/completions", "a GPT-2 language model")
         check_model(body.model)
         admit()                                 # before any work: a full server answers at once
         rows = []
@@ -220,6 +229,42 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
                     [{"token": tokenizer.vocab[piece], "token_str": piece, "score": p} for piece, p in fillers]
                     for fillers in masks]}
                 for i, (masks, filled) in enumerate(results)]
+        return {"object": "list", "model": name, "data": data}
+
+    # --- fine-tuned heads: the library's predict(), as `duolm predict` runs it ---
+
+    def predict_fn(items):
+        return predict(model, tokenizer, items)
+
+    def heads(kinds, route: str, what: str):
+        need(head is not None and head.kind in kinds, route, what)
+
+    async def predictions(items: list) -> list:
+        _, results = await run_batch(predict_fn, lambda: items)
+        return results
+
+    @app.post("/v1/classify")
+    async def classify(body: ClassifyRequest):
+        heads(("classify", "regress"), "/v1/classify", "a fine-tuned classifier or regressor")
+        check_model(body.model)
+        inputs = [body.input] if isinstance(body.input, str) else body.input
+        texts = [x if isinstance(x, str) else tuple(x) for x in inputs]
+        data = [{"index": i, **r} for i, r in enumerate(await predictions(texts))]
+        return {"object": "list", "model": name, "data": data}
+
+    @app.post("/v1/ner")
+    async def ner(body: NERRequest):
+        heads(("tag",), "/v1/ner", "a fine-tuned token tagger")
+        check_model(body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        data = [{"index": i, "entities": r} for i, r in enumerate(await predictions(texts))]
+        return {"object": "list", "model": name, "data": data}
+
+    @app.post("/v1/qa")
+    async def qa(body: QARequest):
+        heads(("span",), "/v1/qa", "a fine-tuned question answerer (span head)")
+        check_model(body.model)
+        data = [{"index": i, **r} for i, r in enumerate(await predictions(body.pairs()))]
         return {"object": "list", "model": name, "data": data}
 
     return app

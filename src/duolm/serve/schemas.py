@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
 Ids = list[int]
@@ -49,6 +49,49 @@ class EmbeddingRequest(_Request):
 class FillMaskRequest(_Request):
     input: str | Annotated[list[str], Field(min_length=1, max_length=256)]
     top_k: Annotated[int, Field(ge=1, le=100)] = 5
+
+
+MAX_INPUTS = 2048        # inputs in one request (OpenAI's limit for embeddings)
+# fine-tuned heads' inputs: a question or a context must hold more than blanks
+Text = Annotated[str, Field(pattern=r"\S")]
+Pair = Annotated[list[str], Field(min_length=2, max_length=2)]
+
+
+def _many(item):
+    return Annotated[list[item], Field(min_length=1, max_length=MAX_INPUTS)]
+
+
+class ClassifyRequest(_Request):
+    """A text, or a list of texts and [text, text] pairs."""
+    input: str | _many(Union[str, Pair])
+
+
+class NERRequest(_Request):
+    input: str | _many(str)
+
+
+class Question(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    question: Text
+    context: Text
+
+
+class QARequest(_Request):
+    """{"question", "context"} for one question, or {"input": [{"question", "context"}, ...]}."""
+    question: Text | None = None
+    context: Text | None = None
+    input: _many(Question) | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        one = self.question is not None and self.context is not None
+        if one == (self.input is not None) or (self.input is not None and (self.question or self.context)):
+            raise ValueError("give question and context, or input: a list of {question, context} (not both)")
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        items = self.input or [self]
+        return [(q.question, q.context) for q in items]
 
 
 class APIError(Exception):
