@@ -179,7 +179,7 @@ def test_typed_special_tokens_are_text(models, capsys):
     assert f" {eot}," not in out and f"[{eot}," not in out and "plain text" in out
     main(["tokenizer", "encode", str(models / "gpt2"), "Hello<|endoftext|>World", "--allow-special"])
     assert f"{eot}" in capsys.readouterr().out.split("pieces")[0]
-    from duolm.generation import generate_text
+    from duolm.textgen import generate_text
 
     model, tok = duolm.load(models / "gpt2")
     gen = generate_text(model, tok, "<|endoftext|>", 1, temperature=0)

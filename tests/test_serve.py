@@ -20,7 +20,8 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 import duolm  # noqa: E402
 from duolm import cli  # noqa: E402
-from duolm.generation import StopReason, TextStream, fill_mask_text, generate, generate_text  # noqa: E402
+from duolm.generation import StopReason, generate  # noqa: E402
+from duolm.textgen import TextStream, fill_mask_text, generate_text  # noqa: E402
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noqa: E402
 from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402

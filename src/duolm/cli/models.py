@@ -129,7 +129,8 @@ def add_pretrain(sub):
 def cmd_generate(args):
     from duolm.checkpoint import load
     from duolm.decoding import decode_layout, quantize
-    from duolm.generation import StopReason, generate_text
+    from duolm.generation import StopReason
+    from duolm.textgen import generate_text
 
     model, tok = load(args.dir)
     if args.quantize:
@@ -182,7 +183,7 @@ def add_generate(sub):
 
 def cmd_fill_mask(args):
     from duolm.checkpoint import load
-    from duolm.generation import fill_mask_text
+    from duolm.textgen import fill_mask_text
 
     model, tok = load(args.dir)
     results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from duolm.generation import fill_mask_text
+from duolm.textgen import fill_mask_text
 from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, GPT2ForSequence
 from duolm.serve import ServeConfig

@@ -13,7 +13,7 @@ import secrets
 import time
 import uuid
 
-from duolm.generation import TextStream
+from duolm.textgen import TextStream
 from duolm.serve.scheduler import Row, Sink
 from duolm.serve.schemas import APIError, CompletionRequest
 
