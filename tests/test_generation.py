@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from duolm.convert.hf import bert_config_to_hf, bert_to_hf, gpt2_config_to_hf, gpt2_to_hf
-from duolm.generation import (StopReason, TextStream, apply_repetition_penalty, apply_temperature,
-                              beam_search, fill_mask, generate, next_token, top_k_filter, top_p_filter)
+from duolm.generation import (StopReason, apply_repetition_penalty, apply_temperature, beam_search, fill_mask,
+                              generate, next_token, top_k_filter, top_p_filter)
+from duolm.textgen import TextStream
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config, KVCache
 
 transformers = pytest.importorskip("transformers")

@@ -16,7 +16,7 @@ LAYERS = {
     "duolm.fileio": 0,
     "duolm.tokenizers": 1, "duolm.models": 1, "duolm.runs": 1, "duolm.hub": 1,
     "duolm.convert": 2, "duolm.data": 2, "duolm.generation": 2, "duolm.decoding": 2,
-    "duolm.checkpoint": 3,
+    "duolm.checkpoint": 3, "duolm.textgen": 3,
     "duolm.train": 4, "duolm.evaluation": 4,
     "duolm.evaluation.metrics": 1,          # pure functions of lists: fine-tuning (train) and evaluation both score with them
     "duolm.demo": 5, "duolm.serve": 5, "duolm.cli": 6, "duolm.__main__": 7,

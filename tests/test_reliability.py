@@ -179,7 +179,7 @@ def test_typed_special_tokens_are_text(models, capsys):
     assert f" {eot}," not in out and f"[{eot}," not in out and "plain text" in out
     main(["tokenizer", "encode", str(models / "gpt2"), "Hello<|endoftext|>World", "--allow-special"])
     assert f"{eot}" in capsys.readouterr().out.split("pieces")[0]
-    from duolm.generation import generate_text
+    from duolm.textgen import generate_text
 
     model, tok = duolm.load(models / "gpt2")
     gen = generate_text(model, tok, "<|endoftext|>", 1, temperature=0)
@@ -259,6 +259,17 @@ def test_every_subcommand_fails_cleanly_on_bad_input(models, tmp_path, capsys):
         (["fill-mask", models / "gpt2", "a [MASK]"], ["masked-LM head"]),
         (["fill-mask", models / "bert", "no mask here"], ["[MASK]"]),
         (["demo", "--text", missing, "-o", tmp_path / "demo"], [missing]),
+        (["finetune", models / "bert", "--task", "sst3", "--data", empty, "-o", tmp_path / "f"], ["sst3"]),
+        (["finetune", missing, "--task", "sst2", "--data", empty, "-o", tmp_path / "f"], [missing]),
+        (["finetune", models / "bert", "--task", "sst2", "--data", empty, "-o", tmp_path / "f"], [empty]),
+        (["predict", missing, "some text"], [missing]),
+        (["predict", models / "bert", "some text"], ["head"]),
+        (["evaluate", missing, "--data", empty], [missing]),
+        (["eval", models / "gpt2", "--task", "wikitext2", "--data", missing], [missing]),
+        (["eval", models / "bert", "--task", "wikitext2", "--data", latin1], ["GPT-2"]),
+        (["eval", models / "gpt2", "--task", "wikitext9", "--data", latin1], ["--task"]),
+        (["serve", missing], [missing]),
+        (["serve", models / "gpt2", "--port", "x"], ["--port"]),
     ]
     for argv, named in cases:
         _fails(argv, capsys, *named)

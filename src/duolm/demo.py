@@ -64,7 +64,7 @@ def _pretrain(family, data, run, steps, batch_size, lr, **model):
 def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 500):
     from duolm.checkpoint import load
     from duolm.data import prepare
-    from duolm.generation import fill_mask_text, generate_text
+    from duolm.textgen import fill_mask_text, generate_text
     from duolm.tokenizers import ByteLevelBPE, WordPiece
     from duolm.runs import read_metrics
 

@@ -1,0 +1,209 @@
+"""Serving throughput: aggregate generated tokens/s of `duolm serve` with 1, 4 and 16 concurrent
+clients on GPT-2 124M (random weights), against the same requests sent one by one (1 client),
+the library alone (generate() per request, no HTTP), and `transformers serve` on the same weights
+(plain, and with --continuous-batching), when it runs here.
+
+Every server is a process on 127.0.0.1 with --threads torch threads; the clients are threads of
+this process sending OpenAI /v1/completions requests (a WikiText-2 line as prompt, --new-tokens
+tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
+requests / wall time from the first request to the last answer. Each configuration runs --rounds
+times, the servers alternating (duolm, transformers, transformers CB, duolm, ...), and the best
+round is kept (on a shared 2-core machine one run can be far off).
+
+    python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import os
+import queue
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this folder is sys.path[0], and benchmarks/tokenizers.py would shadow the
+# `tokenizers` package that transformers imports.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import httpx2 as httpx
+import torch
+
+import duolm
+from duolm.generation import generate
+from duolm.models import GPT2, GPT2Config
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+CLIENTS = (1, 4, 16)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process(cmd, url, log_path, env=None, timeout=300):
+    """Start a server, wait for GET /health, stop it after."""
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{cmd[:3]} exited: {Path(log_path).read_text()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{cmd[:3]} did not answer /health in {timeout} s")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.kill()           # a benchmark's server has nothing to drain
+        proc.wait()
+
+
+def run_clients(url, model, prompts, new_tokens, n_clients):
+    """-> (aggregate tokens/s, completion tokens): every prompt sent once by n_clients threads."""
+    todo = queue.Queue()
+    for p in prompts:
+        todo.put(p)
+
+    def client():
+        done = 0
+        with httpx.Client(timeout=600) as c:
+            while True:
+                try:
+                    p = todo.get_nowait()
+                except queue.Empty:
+                    return done
+                r = c.post(url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": new_tokens,
+                                                           "temperature": 0})
+                r.raise_for_status()
+                done += r.json()["usage"]["completion_tokens"]
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n_clients) as pool:
+        tokens = sum(pool.map(lambda _: client(), range(n_clients)))
+    return tokens / (time.perf_counter() - t), tokens
+
+
+def library_alone(model, tok, prompts, new_tokens):
+    """generate() per request, one after another, in this process: the same work without HTTP."""
+    t = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for p in prompts:
+            gen = generate(model, [tok.encode(p)], new_tokens, temperature=0, stop=[[tok.eot_id]])
+            for _ in gen:
+                pass
+            tokens += len(gen.tokens[0])
+    return tokens / (time.perf_counter() - t), tokens
+
+
+def multinomial_ms(vocab, repeats=50):
+    """What one sampled token costs on top of greedy: torch.multinomial over the vocabulary with
+    its own generator (a temperature > 0 request pays it per row and step)."""
+    probs = torch.rand(1, vocab).softmax(-1)
+    g = torch.Generator().manual_seed(0)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        torch.multinomial(probs, 1, generator=g)
+    return 1e3 * (time.perf_counter() - t) / repeats
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of every server and of the library run")
+    ap.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if not (DATA / "gpt2" / "encoder.json").is_file():
+        sys.exit(f"{DATA} is absent: the benchmark needs GPT-2's vocabulary and WikiText-2 from it")
+    tok = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
+    lines = [ln.strip() for ln in (DATA / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines()
+             if 80 < len(ln.strip()) < 200]
+    prompts = [" ".join(ln.split()[:20]) for ln in lines[:args.requests]]
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config.preset("gpt2")).eval()
+
+    with tempfile.TemporaryDirectory(prefix="duolm-serve-bench-") as tmp:
+        run_all(args, model, tok, prompts, Path(tmp))
+
+
+def run_all(args, model, tok, prompts, tmp):
+    duolm.save(model, tmp / "gpt2-124m", tok)
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    servers = [("duolm serve", [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--max-concurrency",
+                                "16", "--max-queue", "64"], "gpt2-124m", threads)]
+    if not args.no_transformers:
+        try:
+            import accelerate  # noqa: F401  (transformers serve needs it on CPU)
+            import transformers
+        except ImportError as e:
+            print(f"transformers serve: not run ({e})")
+        else:
+            duolm.save(model, tmp / "hf", tok, format="hf")
+            exe = Path(sys.executable).parent / "transformers"
+            # CB's KV cache otherwise takes half of the machine's memory: 256 blocks of 32 tokens hold
+            # 16 requests of up to 512 tokens
+            cb = ["--continuous-batching", "--cb-block-size", "32", "--cb-num-blocks", "256"]
+            for name, extra in (("transformers serve", []), ("transformers serve --continuous-batching", cb)):
+                servers.append((name, [str(exe), "serve", str(tmp / "hf"), "--device", "cpu", *extra],
+                                str(tmp / "hf"), {"HF_HUB_OFFLINE": "1", **threads}))
+            print(f"transformers {transformers.__version__}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GPT-2 124M random weights; "
+          f"{len(prompts)} requests of ~{sum(len(tok.encode(p)) for p in prompts) // len(prompts)} prompt tokens "
+          f"+ {args.new_tokens} new tokens, greedy; best of {args.rounds} rounds")
+
+    best, alone = {}, 0.0
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name, cmd, model_id, env in servers:
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            host = ["--host", "127.0.0.1"] if "transformers" in name else []
+            try:
+                stack.enter_context(process(cmd + ["--port", str(port)] + host, url, tmp / f"{len(urls)}.log", env))
+            except RuntimeError as e:
+                print(f"{name}: not run ({str(e)[:300]})")
+                continue
+            urls[name] = (url, model_id)
+        for _ in range(args.rounds):
+            alone = max(alone, library_alone(model, tok, prompts, args.new_tokens)[0])   # servers idle
+            print(f"  library alone: {alone:.1f} tok/s", flush=True)
+            for n in CLIENTS:
+                for name, (url, model_id) in urls.items():       # A B C A B C ...
+                    rate, _ = run_clients(url, model_id, prompts, args.new_tokens, n)
+                    best[name, n] = max(best.get((name, n), 0.0), rate)
+                    print(f"  {name}, {n} client(s): {rate:.1f} tok/s", flush=True)
+
+    print(f"\nlibrary alone (generate() per request, no HTTP): {alone:.1f} tok/s")
+    print(f"{'server':<42} " + " ".join(f"{f'{n} client' + ('s' if n > 1 else ''):>11}" for n in CLIENTS)
+          + f" {'16 vs 1':>8}")
+    for name, _ in urls.items():
+        rates = [best[name, n] for n in CLIENTS]
+        print(f"{name:<42} " + " ".join(f"{r:>7.1f} t/s" for r in rates) + f" {rates[-1] / rates[0]:>7.2f}x")
+    d = [best["duolm serve", n] for n in CLIENTS]
+    print(f"\nduolm serve, 1 client vs the library alone: {d[0] / alone:.2f}x (HTTP + scheduling overhead)")
+    print(f"duolm serve, aggregate vs one by one: 4 clients {d[1] / d[0]:.2f}x, 16 clients {d[2] / d[0]:.2f}x "
+          f"(target >= 4x at 16)")
+    for name in urls:
+        if name != "duolm serve":
+            print(f"duolm serve vs {name}: " + ", ".join(
+                f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in CLIENTS))
+    print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
+          f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""The `duolm` command. Each subcommand parses its arguments and wires library calls; printing happens
+here only. Options that configure a library call are the fields of its config dataclass (one set of
+defaults, help text from the fields: duolm.cli.options). Expected failures print one line naming the
+file or the argument; `--debug` shows the traceback."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from duolm.cli import models, tasks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duolm", description="GPT-2 and BERT: tokenizers, models, training, generation")
+    parser.add_argument("--debug", action="store_true", help="show a traceback on errors")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    for add in (models.add_tokenizer, models.add_convert, models.add_prepare, models.add_pretrain,
+                tasks.add_finetune, tasks.add_predict, tasks.add_evaluate, models.add_generate,
+                models.add_fill_mask, tasks.add_eval, models.add_serve, models.add_demo):
+        add(sub)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except (ValueError, OSError) as e:          # expected failures: bad input, missing files, a full disk
+        if args.debug:
+            raise
+        print(f"duolm: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("duolm: interrupted", file=sys.stderr)
+        sys.exit(130)

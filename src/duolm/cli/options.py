@@ -1,0 +1,60 @@
+"""Options from config dataclasses (one set of defaults, help text from the fields), and the training
+progress bar every training command shows."""
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+
+def add_options(parser, cls) -> None:
+    """One --flag per field of dataclass `cls` (fields with metadata cli=False are left out)."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not meta.get("cli", True):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        if kind is bool:
+            flag = flag if not f.default else "--no-" + flag[2:]
+            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                                help=meta.get("help"))
+        else:
+            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
+                                help=meta.get("help", "") + ("" if f.default is None else f" (default: {f.default})"))
+
+
+def options(cls, args):
+    """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+class Progress:
+    """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
+    printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
+
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
+        self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
+
+    def start(self, model, device, step):
+        from tqdm import tqdm
+
+        print(f"{self.name}: {model.num_params():,} parameters on {device}" + (f"; resuming at step {step}" if step else ""))
+        self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
+
+    def __call__(self, row):
+        import math
+
+        if "loss" in row:
+            self.bar.update(row["step"] - self.bar.n)
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}", lr=f"{row['lr']:.2e}", tok_s=f"{row['tokens_per_s']:,.0f}")
+        val = {k[4:]: v for k, v in row.items() if k.startswith("val_")}
+        if val:
+            ppl = f" (perplexity {math.exp(min(val['loss'], 50)):.2f})" if self.perplexity and "loss" in val else ""
+            self.bar.write(f"step {row['step']}: validation " + " ".join(f"{k} {v:.4f}" for k, v in val.items()) + ppl)
+        if row.get("nonfinite"):
+            self.bar.write(f"step {row['step']}: non-finite loss or gradient, update skipped ({row['skipped']} so far)")
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,234 @@
+"""Subcommands for downstream tasks: finetune, predict, evaluate (fine-tuned models), eval (zero-shot, GPT-2 paper)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from duolm.cli.options import add_options, options
+
+
+def add_task_data(p):
+    p.add_argument("--data", default=None, help="GLUE task folder (train.tsv, dev.tsv, test.tsv)")
+    p.add_argument("--train", default=None, help="your training file (.csv, .tsv or .jsonl with named columns)")
+    p.add_argument("--dev", default=None, help="your dev file (same columns)")
+    p.add_argument("--text-column", default="text")
+    p.add_argument("--text-pair-column", default=None, help="second text of sentence-pair tasks")
+    p.add_argument("--label-column", default="label")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 (default: cuda when available)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+
+
+def _finetune_banner(info, out) -> list[str]:
+    labels = f", labels {' '.join(info['labels'])}" if info["labels"] else ""
+    dev = ", ".join(f"{n:,} {k}" for k, n in info["dev"].items())
+    cut = [f"{n:,} {k} input(s) longer than {info['max_length']} tokens were cut" for k, n in info["truncated"].items() if n]
+    return [f"{info['family']} on {info['device']}: {info['task']} ({info['kind']}{labels}), {info['train']:,} train, "
+            f"{dev}; {info['runs']} run(s) of {info['steps']} steps -> {out}"] + [f"note: {n}" for n in info["notes"] + cut]
+
+
+def cmd_finetune(args):
+    from tqdm import tqdm
+
+    from duolm.train.finetune import FinetuneConfig, finetune, finetune_glue
+
+    bar, shown = None, {}
+
+    def on_start(info):
+        nonlocal bar
+        if bar is not None:                        # --suite: the next task
+            bar.close()
+        print("\n".join([] if args.json else _finetune_banner(info, args.out)))
+        bar = tqdm(total=info["runs"] * info["steps"], unit="step", dynamic_ncols=True, disable=args.quiet or args.json)
+
+    def on_log(row):                               # the bar shows the loss and the latest dev metrics
+        bar.update("loss" in row)
+        shown.update({k.removeprefix("val_"): f"{v:.4f}" for k, v in row.items()
+                      if k == "loss" or k.startswith("val_") and not k.endswith("loss")})
+        bar.set_postfix(shown, refresh=False)
+
+    kw = dict(device=args.device, resume=args.resume, on_start=on_start, on_log=on_log)
+    try:
+        if args.suite:
+            finetune_glue(args.model, args.data, args.out, options(FinetuneConfig, args), **kw)
+            return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
+        res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), data=args.data,
+                       train_file=args.train, dev_file=args.dev, text_column=args.text_column,
+                       pair_column=args.text_pair_column, label_column=args.label_column, **kw)
+    finally:
+        if bar is not None:
+            bar.close()
+    print(json.dumps({k: res[k] for k in ("task", "metric", "runs", "mean", "std", "best", "result")})
+          if args.json else (Path(args.out) / "results.md").read_text(encoding="utf-8"))
+
+
+def add_finetune(sub):
+    from duolm.train.finetune import FinetuneConfig
+
+    p = sub.add_parser("finetune", help="fine-tune GPT-2 or BERT on a GLUE task or your own labelled texts",
+                       description="The paper's recipe by default (BERT: AdamW 2e-5, batch 32, 3 epochs, 10% warmup; "
+                                   "GPT-1: 6.25e-5, 0.2% warmup, LM loss 0.5). Dev metrics after every epoch; the best "
+                                   "model is kept in OUT/best.")
+    p.add_argument("model", help="duolm or Hugging Face GPT-2 / BERT directory, or a pretraining run")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (--data: its folder), or "
+                                     "classify / regress with --train / --dev")
+    what.add_argument("--suite", choices=["glue"], help="every GLUE task found in --data (the folder of task folders), "
+                                                        "then the BERT paper's Table 1 layout")
+    p.add_argument("-o", "--out", required=True, help="run folder (several seeds: one sub-folder each)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoints in -o")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_task_data(p)
+    add_options(p.add_argument_group("recipe"), FinetuneConfig)
+    p.set_defaults(func=cmd_finetune)
+
+
+def _read_inputs(args, kind: str) -> list:
+    if kind == "span":
+        if not args.question or not args.context:
+            raise ValueError("a question answerer needs --question (repeatable) and --context FILE")
+        context = Path(args.context).read_text(encoding="utf-8")
+        return [(q, context) for q in args.question]
+    if args.file:
+        lines = Path(args.file).read_text(encoding="utf-8").splitlines()
+        rows = [tuple(line.split("\t")) if "\t" in line else line for line in lines if line.strip()]
+        bad = next((n for n, r in enumerate(rows, 1) if isinstance(r, tuple) and len(r) != 2), None)
+        if bad:
+            raise ValueError(f"{args.file} line {bad}: expected one text, or two separated by a tab")
+        return rows
+    if args.pairs and len(args.texts) % 2:
+        raise ValueError(f"--pairs takes texts two at a time; got {len(args.texts)}")
+    return list(zip(args.texts[::2], args.texts[1::2])) if args.pairs else args.texts
+
+
+def _prediction_line(inp, r) -> str:
+    if isinstance(r, list):                                  # a tagger: the entities of the text
+        return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
+    if "answer" in r:
+        return f"{inp[0]}\t{r['answer']}\t[{r['start']}:{r['end']}]\t{r['score']:.3f}"
+    what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
+    return "\t".join(inp if isinstance(inp, tuple) else (inp,)) + "\t" + what
+
+
+def cmd_predict(args):
+    from duolm.data.tasks import load_task
+    from duolm.fileio import write_text
+    from duolm.train.finetune import load_finetuned, predict
+    from duolm.train.sentence_tasks import write_glue_predictions
+
+    model, tok = load_finetuned(args.model, args.device or "cpu")
+    if args.data:
+        files = write_glue_predictions(model, tok, load_task(model.head.task, args.data, splits=("test",)), args.out)
+        return print("wrote " + ", ".join(map(str, files)))
+    inputs = _read_inputs(args, model.head.kind)
+    results = predict(model, tok, inputs)
+    if args.json:
+        return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
+    lines = [_prediction_line(i, r) for i, r in zip(inputs, results)]
+    if args.out:
+        write_text(args.out, "\n".join(lines) + "\n")
+    print("\n".join(lines) if not args.out else f"wrote {len(lines)} predictions to {args.out}")
+    cut = sum(isinstance(r, dict) and bool(r.get("truncated")) for r in results)
+    if cut:
+        print(f"duolm: {cut} input(s) longer than {model.head.max_length} tokens were cut", file=sys.stderr)
+
+
+def add_predict(sub):
+    p = sub.add_parser("predict", help="label texts (or pairs), tag entities or answer questions with a fine-tuned model")
+    p.add_argument("model", help="fine-tuned run folder or model directory")
+    p.add_argument("texts", nargs="*", help="texts to label or tag")
+    p.add_argument("--pairs", action="store_true", help="the texts are sentence pairs, two at a time")
+    p.add_argument("--file", default=None, help="one input per line; a tab separates the two texts of a pair")
+    p.add_argument("--question", action="append", help="question answering: a question (repeatable)")
+    p.add_argument("--context", default=None, help="question answering: the text file to find the answer in")
+    p.add_argument("--data", default=None, help="GLUE task folder: write the submission files of its test files")
+    p.add_argument("-o", "--out", default=None, help="output file (--file) or folder (--data)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    p.set_defaults(func=cmd_predict)
+
+
+def cmd_evaluate(args):
+    from duolm.data.tasks import load_task
+    from duolm.train import token_tasks
+    from duolm.train.finetune import load_finetuned
+    from duolm.train.sentence_tasks import evaluate_task
+
+    model, tok = load_finetuned(args.model, args.device or "cpu")
+    head, notes = model.head, []
+    if head.kind in ("tag", "span"):
+        metrics = token_tasks.evaluate(model, tok, head.task, args.data, args.dev, args.dev_fraction)
+    else:
+        data = load_task(head.task, args.data, args.train, args.dev, text=args.text_column, pair=args.text_pair_column,
+                         label=args.label_column, splits=("train", "dev") if args.split == "train" or args.dev_fraction
+                         else ("dev",), dev_fraction=args.dev_fraction, kind=head.kind, labels=head.labels)
+        notes, data.dev = data.notes, ({"": data.train} if args.split == "train" else data.dev)
+        metrics = evaluate_task(model, tok, data)
+    if args.json:
+        return print(json.dumps({"task": head.task, "split": args.split, **metrics}))
+    print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
+                    + [f"  {t:<14} {s['f1']:.4f} ({s['support']})" for t, s in metrics.get("per_type", {}).items()]))
+
+
+def add_evaluate(sub):
+    p = sub.add_parser("evaluate", help="the task's official metrics of a fine-tuned model")
+    p.add_argument("model", help="fine-tuned run folder or model directory")
+    p.add_argument("--split", choices=["dev", "train"], default="dev")
+    p.add_argument("--dev-fraction", type=float, default=0.0, help="as given to finetune: the held-out end of train")
+    add_task_data(p)
+    p.set_defaults(func=cmd_evaluate)
+
+
+def cmd_eval(args):
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from duolm.checkpoint import load
+    from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
+    from duolm.fileio import write_json, write_text
+
+    if not ((args.task and args.data) or (args.suite and args.data_dir)):
+        raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
+    model, tok = load(args.model)
+    bars = {}
+
+    def progress(task, done, total, metrics):
+        if task not in bars:
+            bars[task] = tqdm(desc=task, total=total, disable=args.json, leave=False)
+        bar = bars[task]
+        bar.update(done - bar.n)
+        bar.set_postfix(metrics)
+
+    opts = dataclasses.asdict(options(EvalOptions, args))
+    try:
+        result = (run_suite(model, tok, args.data_dir, progress, **opts) if args.suite else
+                  evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
+    finally:
+        for bar in bars.values():
+            bar.close()
+    table = markdown(result)
+    if args.out:
+        write_json(args.out, result)
+        write_text(Path(args.out).with_suffix(".md"), table + "\n")
+    print(json.dumps(result) if args.json else table)
+
+
+def add_eval(sub):
+    from duolm.evaluation import TASKS, EvalOptions
+
+    p = sub.add_parser("eval", help="zero-shot evaluation of a GPT-2 model with the GPT-2 paper's protocols",
+                       description="Perplexity per word / bits per byte with sliding windows and invertible "
+                                   "de-tokenizers, LAMBADA, CBT, and the prompted tasks; prints each metric with "
+                                   "its protocol and, for the released GPT-2 sizes, the paper's number.")
+    p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run)")
+    p.add_argument("--task", choices=list(TASKS), help="one task, with --data")
+    p.add_argument("--data", help="the task's file (for translate: either file of the aligned pair)")
+    p.add_argument("--suite", choices=["gpt2-paper"], help="every Table 3 task whose file is in --data-dir")
+    p.add_argument("--data-dir", help="folder of the suite's files")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    p.add_argument("-o", "--out", help="write the result as JSON here and the markdown table beside it (.md)")
+    add_options(p.add_argument_group("protocol"), EvalOptions)
+    p.set_defaults(func=cmd_eval)

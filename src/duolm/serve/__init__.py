@@ -1,0 +1,117 @@
+"""`duolm serve`: an OpenAI-compatible HTTP server for one model (the optional extra `serve`:
+FastAPI + uvicorn).
+
+    from duolm.serve import run
+    run("path/to/model", host="127.0.0.1", port=8000)          # until SIGTERM / Ctrl-C
+
+    from duolm.serve.app import create_app                     # the ASGI app, for any ASGI server
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import signal
+import sys
+import threading
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+log = logging.getLogger("duolm.serve")
+
+
+@dataclass
+class ServeConfig:
+    """How the server runs. The CLI's `duolm serve` options are these fields."""
+
+    host: str = field(default="127.0.0.1", metadata={"help": "address to bind; 127.0.0.1 = this machine only"})
+    port: int = 8000
+    api_key: str | None = field(default=None, metadata={"cli": False})   # --api-key / --api-key-file
+    max_concurrency: int = field(default=16, metadata={
+        "help": "sequences decoded together (one per prompt and choice) and requests served at once"})
+    max_queue: int = field(default=64, metadata={"help": "requests that may wait beyond that; more get 429"})
+    max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413"})
+    drain_timeout: float = field(default=30.0, metadata={"help": "seconds in-flight requests get after SIGTERM"})
+    model_name: str | None = field(default=None, metadata={"help": "the id clients send (default: the "
+                                                                   "model directory's name)"})
+    device: str = "cpu"
+    batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
+
+
+def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
+    """Load `model_dir` (any directory duolm.load reads) and serve it until SIGTERM / Ctrl-C;
+    `fields` override those of `config` (e.g. run(dir, host="0.0.0.0", api_key=key)).
+
+    On SIGTERM the server stops accepting connections, answers 503 to new requests on open ones,
+    lets in-flight requests finish (up to drain_timeout seconds) and returns normally. Binding an
+    address other than loopback without an API key logs a warning."""
+    cfg = replace(config or ServeConfig(), **fields)
+    try:
+        import uvicorn
+    except ImportError:
+        raise ImportError("duolm serve needs the 'serve' extra: pip install 'duolm[serve]'") from None
+    from duolm.checkpoint import load
+    from duolm.models import GPT2
+    from duolm.serve.app import create_app
+    from duolm.serve.encoders import read_pooling
+
+    model, tokenizer = load(model_dir, device=cfg.device)
+    if tokenizer is None:
+        raise ValueError(f"{model_dir}: no tokenizer files (vocab.json + merges.txt or vocab.txt); "
+                         "the server needs the model's tokenizer")
+    if cfg.model_name is None:
+        cfg.model_name = Path(model_dir).resolve().name
+    warning = bind_warning(cfg.host, cfg.api_key)
+    if warning:
+        log.warning(warning)
+    app = create_app(model, tokenizer, cfg, pooling=None if isinstance(model, GPT2) else read_pooling(model_dir))
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            app.state.draining = True          # new requests on open connections get 503
+            super().handle_exit(sig, frame)
+
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.drain_timeout))
+    # The decode thread and the event loop share the GIL, and torch releases it around every op:
+    # with the default 5 ms switch interval a busy event loop makes each re-acquisition wait, and
+    # a small model's step (hundreds of ops) slows tenfold under load. 0.5 ms keeps both moving.
+    sys.setswitchinterval(5e-4)
+    if threading.current_thread() is not threading.main_thread():
+        server.run()
+        return
+    # uvicorn re-raises the SIGTERM it caught once it has drained; by then every request has
+    # finished, so that second delivery ends nothing: run() returns and the process exits 0.
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: None)
+    try:
+        server.run()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def bind_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for serving on an address other machines can reach without an API key, else None.
+
+    >>> bind_warning("0.0.0.0", None)[:30]
+    'binding 0.0.0.0 without an API'
+    >>> bind_warning("127.0.0.1", None) is None and bind_warning("0.0.0.0", "key") is None
+    True
+    """
+    if api_key or host == "localhost":
+        return None
+    try:
+        if ipaddress.ip_address(host.strip("[]")).is_loopback:
+            return None
+    except ValueError:       # a host name: it may resolve to anything
+        pass
+    return (f"binding {host} without an API key: anyone who can reach this address can use the model; "
+            "pass --api-key-file (or bind 127.0.0.1)")
+
+
+def read_api_key(path) -> str:
+    """The key in a file (surrounding whitespace removed); an empty or unreadable file is an error."""
+    try:
+        key = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the API key ({e})") from None
+    if not key:
+        raise ValueError(f"{path}: the API key file is empty")
+    return key

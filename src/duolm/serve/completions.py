@@ -1,0 +1,209 @@
+"""POST /v1/completions in OpenAI's shape: prompts to rows for the scheduler, rows' tokens back to
+text (UTF-8 safe, stop strings, end of text), the response body and its server-sent-event chunks.
+
+Choice i * n + j is the j-th sample for prompt i, drawn with seed `seed + i * n + j` (a random seed
+when the request gives none), so one prompt with `seed` gives the text and the end that
+`duolm.generation.generate_text(model, tokenizer, prompt, max_tokens, ..., stop=stop, seed=seed)`
+gives. Log-probabilities are those of the raw model (before temperature, top-k and top-p).
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import uuid
+
+from duolm.textgen import TextStream
+from duolm.serve.scheduler import Row, Sink
+from duolm.serve.schemas import APIError, CompletionRequest
+
+DEFAULT_MAX_TOKENS = 16
+MAX_ROWS = 128      # prompts x n in one request
+
+
+def to_id_lists(value, field: str, encode, vocab_size: int) -> list:
+    """An OpenAI prompt / input (a string, list of strings, ids, list of id lists) -> id lists;
+    texts through encode(text). Empty inputs and ids outside [0, vocab_size) raise APIError(400)."""
+    if isinstance(value, str):
+        value = [value]
+    if not value:
+        raise APIError(400, f"{field} must not be empty", field)
+    if isinstance(value[0], int):
+        value = [value]
+    out = []
+    for i, x in enumerate(value):
+        where = field if len(value) == 1 else f"{field}[{i}]"
+        ids = encode(x) if isinstance(x, str) else list(x)
+        if not ids:
+            raise APIError(400, f"{where} is empty", field)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise APIError(400, f"{where}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})", field)
+        out.append(ids)
+    return out
+
+
+def encode_prompts(req: CompletionRequest, tokenizer, config) -> list:
+    """The request's prompts as token ids, checked against the model's `config`: ids in its
+    vocabulary, at most block_size - max_tokens of them. Special tokens spelled in a text prompt are plain
+    text unless named in `allowed_special`; an empty text prompt means <|endoftext|>."""
+    max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    eot = tokenizer.eot_id
+
+    def encode(text):
+        if text == "" and eot is not None:
+            return [eot]
+        try:
+            return tokenizer.encode(text, allowed_special=set(req.allowed_special) if req.allowed_special != "all"
+                                    else "all", disallowed_special=())
+        except ValueError as e:
+            raise APIError(400, f"allowed_special: {e}", "allowed_special") from None
+
+    prompts = to_id_lists(req.prompt, "prompt", encode, config.vocab_size)
+    block_size = config.block_size
+    limit = block_size - max_tokens
+    if limit < 1:
+        raise APIError(400, f"max_tokens={max_tokens} leaves no room for a prompt in the context of "
+                            f"{block_size} tokens", "max_tokens")
+    for i, ids in enumerate(prompts):
+        if len(ids) > limit:
+            which = f" (prompt {i})" if len(prompts) > 1 else ""
+            raise APIError(400, f"prompt has {len(ids)} tokens, limit {limit}{which}: the context is "
+                                f"{block_size} tokens and max_tokens is {max_tokens}", "prompt")
+    if len(prompts) * req.n > MAX_ROWS:
+        raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} is more than {MAX_ROWS} sequences", "n")
+    return prompts
+
+
+class Choice(Sink):
+    """Turns one row's tokens into text and hands events to `put` (thread-safe) as tuples:
+    ("prompt", index, logprobs), ("token", index, text, token, logprob), ("done", index, text, reason)."""
+
+    def __init__(self, index: int, tokenizer, stop, put):
+        self.index, self._tok, self._put = index, tokenizer, put
+        self._text = TextStream(stop)
+
+    def prompt(self, logprobs):
+        self._put(("prompt", self.index, logprobs))
+
+    def token(self, token, logprobs):
+        end = token == self._tok.eot_id
+        text = self._text.finish() if end else self._text.feed(self._tok.decode_bytes([token]))
+        self._put(("token", self.index, text, token, logprobs))
+        return end or self._text.stopped
+
+    def done(self, reason):
+        self._put(("done", self.index, self._text.finish(), reason))
+
+
+def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    rows = []
+    for i, ids in enumerate(prompts):
+        for j in range(req.n):
+            k = i * req.n + j
+            seed = secrets.randbits(63) if req.seed is None else (req.seed + k) % 2 ** 63
+            rows.append(Row(
+                prompt=ids, seed=seed,
+                max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_k=req.top_k, top_p=req.top_p, logprobs=req.logprobs,
+                prompt_logprobs=req.echo and req.logprobs is not None,
+                sink=Choice(k, tokenizer, stop, put)))
+    return rows
+
+
+class Completion:
+    """Builds the response from the rows' events: `apply(event)` returns the stream chunk's choice
+    for it (or None); `body()` is the whole non-streamed response."""
+
+    def __init__(self, req: CompletionRequest, prompts: list, tokenizer, model_name: str):
+        self.req, self.tok, self.model = req, tokenizer, model_name
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.prompt_tokens = sum(map(len, prompts))
+        n = len(prompts) * req.n
+        self.prompts = [prompts[k // req.n] for k in range(n)]
+        self.text = [""] * n
+        self.tokens = [[] for _ in range(n)]
+        self.lp = [None if req.logprobs is None else _Logprobs() for _ in range(n)]
+        self.reason = [None] * n
+        self.pending = n
+
+    def start(self) -> list:
+        """Chunk choices to send first: the echoed prompts (those with logprobs come with them)."""
+        if not self.req.echo or self.req.logprobs is not None:
+            return []
+        return [self.apply(("prompt", k, None)) for k in range(len(self.text))]
+
+    def apply(self, ev):
+        kind, k = ev[0], ev[1]
+        lp = self.lp[k]
+        if kind == "prompt":
+            text = self.tok.decode(self.prompts[k])
+            if ev[2] is not None:
+                for t, info in zip(self.prompts[k], ev[2]):
+                    lp.add(self.tok, t, info)
+            return self._piece(k, text, lp.since() if lp else None)
+        if kind == "token":
+            _, _, text, token, info = ev
+            self.tokens[k].append(token)
+            if lp is not None:
+                lp.add(self.tok, token, info)
+            return self._piece(k, text, lp.since() if lp else None) if text or lp else None
+        _, _, text, reason = ev
+        self.reason[k] = reason
+        self.pending -= 1
+        choice = self._piece(k, text, None)
+        choice["finish_reason"] = "stop" if reason == "stop" else "length"
+        return choice
+
+    def _piece(self, k, text, logprobs):
+        self.text[k] += text
+        return {"index": k, "text": text, "logprobs": logprobs, "finish_reason": None}
+
+    def usage(self) -> dict:
+        done = sum(map(len, self.tokens))
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def chunk(self, choices, usage=None) -> str:
+        body = {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    def body(self) -> dict:
+        choices = [{"index": k, "text": self.text[k], "finish_reason": "stop" if self.reason[k] == "stop" else "length",
+                    "logprobs": None if self.lp[k] is None else self.lp[k].all()} for k in range(len(self.text))]
+        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+
+class _Logprobs:
+    """OpenAI's logprobs object for one choice, built token by token."""
+
+    def __init__(self):
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+        self._offset = self._sent = 0
+
+    def add(self, tok, token, info):
+        s = tok.decode([token])
+        self.tokens.append(s)
+        self.token_logprobs.append(None if info is None else info[0])
+        self.top_logprobs.append(None if info is None else {tok.decode([i]): v for i, v in info[1]})
+        self.text_offset.append(self._offset)
+        self._offset += len(s)
+
+    def since(self) -> dict:
+        """The entries added since the last call (a stream chunk's share)."""
+        a, self._sent = self._sent, len(self.tokens)
+        return self._slice(a, self._sent)
+
+    def all(self) -> dict:
+        return self._slice(0, len(self.tokens))
+
+    def _slice(self, a, b) -> dict:
+        return {"tokens": self.tokens[a:b], "token_logprobs": self.token_logprobs[a:b],
+                "top_logprobs": self.top_logprobs[a:b], "text_offset": self.text_offset[a:b]}

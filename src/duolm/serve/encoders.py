@@ -1,0 +1,185 @@
+"""BERT requests: sentence embeddings with the checkpoint's pooling, fill-mask, and the worker that
+runs requests arriving together as one batch.
+
+A task is a batched function `fn(items) -> results` (one result per item). `EncoderWorker.submit(fn,
+items)` returns a Future; jobs for the same fn that arrive within the collection window run as one
+call. New BERT routes (a fine-tuned classifier, tagger or span QA head) add a function of that
+shape and a route; nothing here changes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from duolm.fileio import read_json
+
+log = logging.getLogger("duolm.serve")
+
+ST_MODULES = "modules.json"                  # sentence-transformers' module list
+ST_POOLING = "1_Pooling/config.json"         # its default pooling folder
+ST_CONFIG = "sentence_bert_config.json"      # holds max_seq_length
+
+
+@dataclass(frozen=True)
+class Pooling:
+    """How token states become one vector: "mean" over real tokens or the "cls" state, then an L2
+    normalisation when `normalize`. max_length: longest input in tokens ([CLS] and [SEP] included),
+    None = the model's block_size. source: the file it was read from (None: the default)."""
+
+    mode: str = "cls"
+    normalize: bool = True
+    max_length: int | None = None
+    source: str | None = None
+
+
+def read_pooling(model_dir) -> Pooling:
+    """The pooling a checkpoint was trained with, from its sentence-transformers files: modules.json
+    names the pooling folder (default 1_Pooling/) and whether a Normalize module follows;
+    sentence_bert_config.json gives max_seq_length. Without those files: [CLS], normalised (unit
+    vectors, as OpenAI's embeddings are). Pooling modes other than mean and cls are refused."""
+    d = Path(model_dir)
+    pooling_file, normalize = d / ST_POOLING, True
+    if (d / ST_MODULES).is_file():
+        modules = _read_list(d / ST_MODULES)
+        types = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
+        if "Pooling" in types:
+            pooling_file = d / types["Pooling"] / "config.json"
+        normalize = "Normalize" in types
+    if not pooling_file.is_file():
+        return Pooling()
+    cfg = read_json(pooling_file)
+    modes = sorted(k[len("pooling_mode_"):] for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
+    mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(modes[0]) if len(modes) == 1 else None
+    if mode is None:
+        raise ValueError(f"{pooling_file}: pooling {modes or 'none'} is not supported; duolm serves "
+                         "pooling_mode_mean_tokens or pooling_mode_cls_token")
+    max_length = None
+    if (d / ST_CONFIG).is_file():
+        max_length = read_json(d / ST_CONFIG).get("max_seq_length")
+    return Pooling(mode, normalize, max_length, str(pooling_file.relative_to(d)))
+
+
+def _read_list(file: Path) -> list:
+    """modules.json is a JSON list (fileio.read_json reads objects)."""
+    try:
+        out = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(out, list):
+        raise ValueError(f"{file}: expected a list of modules")
+    return out
+
+
+def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
+    """Token-id lists (each with [CLS] ... [SEP]) -> one float32 vector (C,) each, pooled as
+    `pooling` says. Inputs are sorted by length and run in right-padded batches of `batch_size`."""
+    bert = getattr(model, "bert", model)
+    device = bert.wte.weight.device
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out = [None] * len(ids)
+    with torch.inference_mode():
+        for s in range(0, len(order), batch_size):
+            chunk = [ids[i] for i in order[s:s + batch_size]]
+            T = max(map(len, chunk))
+            idx = torch.zeros(len(chunk), T, dtype=torch.long, device=device)
+            mask = torch.zeros_like(idx)
+            for j, x in enumerate(chunk):
+                idx[j, :len(x)] = torch.tensor(x)
+                mask[j, :len(x)] = 1
+            hidden, _ = bert(idx, attention_mask=mask)
+            vec = pool(hidden.float(), mask, pooling)
+            for j, i in enumerate(order[s:s + batch_size]):
+                out[i] = vec[j].cpu()
+    return out
+
+
+def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
+    """hidden (B, T, C), mask (B, T) of 0/1 -> (B, C): the mean over real tokens or the [CLS] state,
+    L2-normalised when pooling.normalize (sentence-transformers' Pooling + Normalize).
+
+    >>> pool(torch.tensor([[[3., 0.], [1., 2.], [9., 9.]]]), torch.tensor([[1, 1, 0]]), Pooling("mean", False))
+    tensor([[2., 1.]])
+    """
+    if pooling.mode == "mean":
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    else:
+        vec = hidden[:, 0]
+    return F.normalize(vec, p=2, dim=-1) if pooling.normalize else vec
+
+
+class EncoderWorker:
+    """One thread that runs batched jobs. After the first job arrives it waits `window_s` for more;
+    the jobs collected are grouped by function and each group runs as one call."""
+
+    def __init__(self, window_s: float = 0.005):
+        self.window_s = window_s
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.busy_s = 0.0
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    def submit(self, fn, items: list) -> Future:
+        fut = Future()
+        self._jobs.put((fn, list(items), fut))
+        return fut
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="duolm-encode", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            deadline = time.monotonic() + self.window_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    job = self._jobs.get(timeout=left)
+                except queue.Empty:
+                    break
+                if job is None:
+                    self._jobs.put(None)      # stop after this batch
+                    break
+                jobs.append(job)
+            t0 = time.perf_counter()
+            self.run(jobs)
+            self.busy_s += time.perf_counter() - t0
+
+    @staticmethod
+    def run(jobs) -> None:
+        """Run (fn, items, future) jobs: one fn(all items) call per distinct fn."""
+        groups = {}
+        for fn, items, fut in jobs:
+            groups.setdefault(fn, []).append((items, fut))
+        for fn, group in groups.items():
+            try:
+                results = fn([x for items, _ in group for x in items])
+            except Exception as e:   # the request fails, the worker lives on
+                log.exception("encoder batch failed")
+                for _, fut in group:
+                    fut.set_exception(e)
+                continue
+            start = 0
+            for items, fut in group:
+                fut.set_result(results[start:start + len(items)])
+                start += len(items)

@@ -1,0 +1,317 @@
+"""Continuous batching for GPT-2: one decode loop; sequences join and leave the running batch.
+
+Every running sequence is one row of a batch KV cache. A new row is prefilled alone, in a 1-row
+cache, exactly as `duolm.generation.generate` prefills one prompt; it draws its first token and is
+copied into the batch, which decodes it with the others from the next step on. Each row keeps its
+own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by
+`next_token` from its own row of logits with its own generator: the draws are those of the row run
+alone. (A batched forward differs from a 1-row one only in float rounding, ~1e-6 in the logits; a
+batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves at once
+and the last row moves into its slot, so the batch stays dense.
+
+Batch cache layout, B rows and L = cache.length columns: the rows are right-aligned. Row j's n_j
+cached positions sit in columns [L - n_j, L); the columns before them are padding, masked out by the
+attention mask (the model counts positions over real tokens only). Each step writes column L for
+every row. A prompt longer than L joining shifts the block right; when the buffer is full, the
+columns that are padding in every row are dropped (the block shifts left).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from duolm.generation import next_token
+from duolm.models import KVCache
+
+log = logging.getLogger("duolm.serve")
+
+
+class Sink:
+    """Where a row's results go; called from the decode thread. Subclass and override."""
+
+    def prompt(self, logprobs: list) -> None:
+        """Log-probabilities of the prompt tokens ([None] first, then one `logprob_info` each)."""
+
+    def token(self, token: int, logprobs) -> bool:
+        """A new token (with its `logprob_info` or None); return True to stop the row here."""
+        return False
+
+    def done(self, reason: str) -> None:
+        """Called once at the end: "stop", "length", "cancelled" or "error"."""
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence to generate: `max_tokens` new tokens at most after `prompt` (token ids), drawn
+    as `next_token(logits, temperature, top_k, top_p, generator)` with a generator seeded by `seed`.
+    logprobs: None, or how many alternatives to report with each token's log-probability.
+    prompt_logprobs: report the prompt tokens' log-probabilities too (OpenAI's echo + logprobs)."""
+
+    prompt: list
+    max_tokens: int
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
+    sink: Sink = field(default_factory=Sink)
+    cancelled: bool = False          # set from any thread; the row leaves at the next step
+    finished: bool = False
+    tokens: list = field(default_factory=list)
+    n: int = 0                       # positions of this row in the cache
+    generator: torch.Generator | None = None
+
+
+def logprob_info(logits: torch.Tensor, token: int, k: int):
+    """logits (V,) -> (log p(token), [(id, log p) of the k most likely ids, most likely first]),
+    log p from the raw logits (before temperature and filters).
+
+    >>> logprob_info(torch.log(torch.tensor([0.5, 0.25, 0.25])), 1, 1)
+    (-1.3862943649291992, [(0, -0.6931471824645996)])
+    """
+    lp = logits.float().log_softmax(-1)
+    top = lp.topk(min(k, lp.shape[-1])) if k else None
+    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return float(lp[token]), alts
+
+
+def _finish(row: Row, reason: str) -> None:
+    if not row.finished:
+        row.finished = True
+        row.sink.done(reason)
+
+
+class Scheduler:
+    """Runs rows through `model` (a GPT2 in eval mode), at most `max_batch` at once.
+
+    submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
+    prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
+    in the caller's thread (tests drive it by hand)."""
+
+    def __init__(self, model, max_batch: int = 16):
+        if max_batch < 1:
+            raise ValueError(f"max_batch={max_batch} must be >= 1")
+        self.model = model
+        self.max_batch = max_batch
+        w = model.wte.weight
+        self.device = w.device
+        self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
+        self.tokens_generated = 0
+        self.busy_s = 0.0                # time spent in step() with work to do
+        self._waiting = collections.deque()
+        self._cond = threading.Condition()
+        self._rows: list[Row] = []       # the batch, in slot order
+        self._cache: KVCache | None = None   # max_batch rows x cap columns
+        self._mask: torch.Tensor | None = None
+        self._L = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # --- the outside ---------------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return len(self._rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, rows) -> None:
+        with self._cond:
+            self._waiting.extend(rows)
+            self._cond.notify()
+
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="duolm-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the loop after the current step; rows still running or waiting end "cancelled"."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        for row in self._rows + list(self._waiting):
+            _finish(row, "cancelled")
+        self._rows, self._waiting = [], collections.deque()
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            if not self.step():
+                with self._cond:
+                    if not self._waiting and not self._stopping:
+                        self._cond.wait(0.1)
+
+    def step(self) -> bool:
+        """Admit waiting rows into free slots, then decode one token for every row in the batch.
+        Returns False when there was nothing to do. An exception fails the rows it touched
+        ("error") and leaves the scheduler usable."""
+        t0 = time.perf_counter()
+        busy = any(r.cancelled for r in self._rows)
+        if busy:
+            self._guard(list(self._rows), self._drop_cancelled)
+        while len(self._rows) < self.max_batch:
+            with self._cond:
+                row = self._waiting.popleft() if self._waiting else None
+            if row is None:
+                break
+            busy = True
+            self._guard([row], self._join, row)
+        if self._rows:
+            busy = True
+            self._guard(self._rows, self._decode)
+        if busy:
+            self.busy_s += time.perf_counter() - t0
+        return busy
+
+    def _guard(self, rows, fn, *args):
+        """fn(*args); on an exception the `rows` end with "error" and leave the batch."""
+        try:
+            with torch.inference_mode():
+                fn(*args)
+        except Exception:   # a failed forward must not take the server down
+            log.exception("decode step failed; failing %d row(s)", len(rows))
+            failed = set(map(id, rows))
+            for row in list(rows):
+                _finish(row, "error")
+            self._rows = [r for r in self._rows if id(r) not in failed]
+            if not self._rows:
+                self._L = 0
+
+    def _drop_cancelled(self) -> None:
+        gone = [j for j, r in enumerate(self._rows) if r.cancelled]
+        for j in gone:
+            _finish(self._rows[j], "cancelled")
+        self._leave(gone)
+
+    # --- one row: prefill, draw, finish ----------------------------------------------------------
+
+    def _join(self, row: Row) -> None:
+        if row.cancelled:
+            _finish(row, "cancelled")
+            return
+        row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
+        if row.max_tokens == 0 and not row.prompt_logprobs:
+            _finish(row, "length")
+            return
+        cfg = self.model.config
+        P = len(row.prompt)
+        cache = KVCache(cfg, 1, max_len=P, device=self.device, dtype=self.dtype)
+        idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
+        h = self.model.hidden(idx, None, cache)
+        if row.prompt_logprobs:
+            logits = self.model.head(h[0, :-1]).float() if P > 1 else None
+            row.sink.prompt([None] + [logprob_info(logits[i], t, row.logprobs or 0)
+                                      for i, t in enumerate(row.prompt[1:])])
+        if row.max_tokens == 0:
+            _finish(row, "length")
+            return
+        if not self._draw(row, self.model.head(h[:, -1]).float()):
+            return
+        # into the batch: right-aligned at column L (shift the block right if the prompt is longer)
+        if not self._rows:
+            self._L = 0
+        if P > self._L or self._cache is None:
+            self._realign(max(P, self._L))
+        j, L = len(self._rows), self._L
+        for buf, new in zip(self._cache.k + self._cache.v, cache.k + cache.v):
+            buf[j, :, L - P:L] = new[0, :, :P]
+        self._mask[j] = 0
+        self._mask[j, L - P:L] = 1
+        row.n = P
+        self._rows.append(row)
+
+    def _draw(self, row: Row, logits: torch.Tensor) -> bool:
+        """Draw the row's next token from logits (1, V); False when the row has finished."""
+        t = int(next_token(logits, row.temperature, row.top_k, row.top_p, row.generator)[0])
+        info = None if row.logprobs is None else logprob_info(logits[0], t, row.logprobs)
+        row.tokens.append(t)
+        self.tokens_generated += 1
+        if row.sink.token(t, info):
+            _finish(row, "stop")
+            return False
+        if len(row.tokens) >= row.max_tokens:
+            _finish(row, "length")
+            return False
+        return True
+
+    # --- the batch ------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        B = len(self._rows)
+        if self._L + 1 > self._cache.max_len:
+            self._realign(max(r.n for r in self._rows))
+        L = self._L
+        self._mask[:B, L] = 1
+        view = copy.copy(self._cache)               # the first B rows; writes land in the buffers
+        view.k = [k[:B] for k in self._cache.k]
+        view.v = [v[:B] for v in self._cache.v]
+        view.length = L
+        idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
+        logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
+        self._L = L + 1
+        done = []
+        for j, row in enumerate(self._rows):
+            row.n += 1
+            if row.cancelled:
+                _finish(row, "cancelled")
+            if row.finished or not self._draw(row, logits[j:j + 1]):
+                done.append(j)
+        self._leave(done)
+
+    def _leave(self, gone: list) -> None:
+        """Remove the (finished) rows at slots `gone`; the rows after the new end move into the holes."""
+        if not gone:
+            return
+        gone_set = set(gone)
+        B = len(self._rows)
+        keep = B - len(gone)
+        holes = [j for j in range(keep) if j in gone_set]
+        movers = [j for j in range(keep, B) if j not in gone_set]
+        if movers:
+            w = max(self._rows[j].n for j in movers)
+            cols = slice(self._L - w, self._L)
+            for buf in self._cache.k + self._cache.v:
+                buf[holes, :, cols] = buf[movers, :, cols]     # the right side is a copy: no overlap
+            self._mask[holes] = self._mask[movers]
+            for h, m in zip(holes, movers):
+                self._rows[h] = self._rows[m]
+        del self._rows[keep:]
+        if not self._rows:
+            self._L = 0
+
+    def _realign(self, new_L: int) -> None:
+        """Move the rows' block so that it ends at column new_L, in buffers with room for at least
+        new_L + 1 columns (grown by doubling, up to block_size)."""
+        cfg = self.model.config
+        B = len(self._rows)
+        w = max((r.n for r in self._rows), default=0)
+        old = self._cache
+        cap = 0 if old is None else old.max_len
+        if new_L + 1 > cap:
+            cap = min(cfg.block_size, max(new_L + 1, 2 * cap, 64))
+            new = KVCache(cfg, self.max_batch, max_len=cap, device=self.device, dtype=self.dtype)
+            for buf in new.k + new.v:   # padding columns are read (with weight 0): keep them finite
+                buf.zero_()
+            mask = torch.zeros(self.max_batch, cap, dtype=torch.long, device=self.device)
+        else:
+            new, mask = old, self._mask
+        if B and w:
+            src = slice(self._L - w, self._L)
+            dst = slice(new_L - w, new_L)
+            for a, b in zip(new.k + new.v, old.k + old.v):
+                a[:B, :, dst] = b[:B, :, src].clone() if a is b else b[:B, :, src]
+            mask[:B] = 0
+            for j, r in enumerate(self._rows):
+                mask[j, new_L - r.n:new_L] = 1
+        self._cache, self._mask, self._L = new, mask, new_L

