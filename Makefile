@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/finetune.py
 	$(BIN)/python benchmarks/tf_checkpoint.py
 	$(BIN)/python benchmarks/eval.py
+	$(BIN)/python benchmarks/serve.py --threads 1
 
 # the demo needs only duolm and its picture/TensorBoard extras, not the test references
 DEMO_STAMP := $(VENV)/.demo
