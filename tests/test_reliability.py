@@ -63,7 +63,7 @@ def _fails(argv, capsys, *named):
 # --- issue: a malicious train_state.pt ---------------------------------------------------------------
 
 def test_malicious_train_state_is_refused_in_one_line(tmp_path):
-    from duolm.train import TrainConfig, save_checkpoint
+    from duolm.train import save_checkpoint
 
     model = GPT2(GPT2Config.preset("tiny"))
     save_checkpoint(tmp_path / "run", 2, model, {"step": 2})
@@ -76,7 +76,6 @@ def test_malicious_train_state_is_refused_in_one_line(tmp_path):
     assert p.returncode != 0 and not (tmp_path / "PWNED").exists()
     last = p.stderr.strip().splitlines()[-1]
     assert f"{state}: refused as unsafe" in last and "weights_only=False" not in p.stderr
-    TrainConfig()  # the config itself is fine: only the file was refused
 
 
 # --- issue: safetensors headers ------------------------------------------------------------------
@@ -219,8 +218,6 @@ def test_unreasonable_config_sizes_and_garbage_json_name_the_file(models, tmp_pa
 # --- every subcommand against bad input ---------------------------------------------------------------
 
 def test_every_subcommand_fails_cleanly_on_bad_input(models, tmp_path, capsys):
-    import shutil
-
     missing = tmp_path / "missing"
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -274,4 +271,3 @@ def test_every_subcommand_fails_cleanly_on_bad_input(models, tmp_path, capsys):
     for argv, named in cases:
         _fails(argv, capsys, *named)
     assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
-    shutil.rmtree(tmp_path / "o", ignore_errors=True)

@@ -229,14 +229,21 @@ def squad_f1(prediction: str, answers: Sequence[str]) -> float:
     >>> squad_f1("Denver Broncos won", ["the Denver Broncos", "Broncos"])   # 2 of 3 words, both gold words
     0.8
     """
-    def f1_one(gold: str) -> float:
-        p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
-        same = sum((Counter(p) & Counter(g)).values())
-        if same == 0:
-            return 0.0
-        precision, recall = same / len(p), same / len(g)
-        return 2 * precision * recall / (precision + recall)
-    return max(f1_one(a) for a in answers)
+    return max(token_f1(prediction, a) for a in answers)
+
+
+def token_f1(prediction: str, gold: str) -> float:
+    """F1 of the bags of normalized words of one prediction and one gold answer (0 when either is empty).
+
+    >>> token_f1("The red, big dog!", "a red cat")   # 1 word shared: precision 1/3, recall 1/2
+    0.4
+    """
+    p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    same = sum((Counter(p) & Counter(g)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(g)
+    return 2 * precision * recall / (precision + recall)
 
 
 def squad_scores(predictions: dict, answers: dict) -> dict:

@@ -12,13 +12,12 @@ ROUGE and BLEU come from the optional extra `eval` (pip install 'duolm[eval]'), 
 from __future__ import annotations
 
 import re
-import string
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 from duolm.evaluation import readers
+from duolm.evaluation.metrics import normalize_answer, token_f1
 from duolm.evaluation.tasks import EvalOptions, Progress
 from duolm.generation import generate
 
@@ -37,21 +36,11 @@ def first_sentences(text: str, n: int) -> str:
 
 # --- CoQA's F1 ---------------------------------------------------------------------------------------
 
-def _normalize(s: str) -> list[str]:
-    """CoQA's (and SQuAD's) answer normalisation: lower case, no punctuation, no articles -> words."""
-    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
-    return re.sub(r"\b(a|an|the)\b", " ", s).split()
-
-
 def _f1(gold: str, pred: str) -> float:
-    g, p = _normalize(gold), _normalize(pred)
-    if not g or not p:
-        return float(g == p)
-    same = sum((Counter(g) & Counter(p)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p), same / len(g)
-    return 2 * precision * recall / (precision + recall)
+    """SQuAD's token F1, except that two empty answers agree (CoQA's rule for unanswerable turns)."""
+    if not normalize_answer(gold) or not normalize_answer(pred):
+        return float(normalize_answer(gold) == normalize_answer(pred))
+    return token_f1(pred, gold)
 
 
 def coqa_f1(pred: str, golds: list[str]) -> float:
