@@ -174,6 +174,23 @@ def test_glue_holdout_is_the_end_of_train(data_dir):
         load_glue("rte", data_dir / "glue" / "RTE", splits=("train", "dev"))
 
 
+def test_max_train_examples_keeps_the_first_after_the_holdout(minilm, data_dir):
+    from duolm.train import sentence_tasks, token_tasks
+    from duolm.train.finetune import FinetuneConfig
+    tok = minilm[1]
+    cfg = FinetuneConfig(dev_fraction=0.1, max_train_examples=100).resolved("bert")
+    task = sentence_tasks.prepare("rte", tok, "bert", cfg, 512, data=data_dir / "glue" / "RTE")
+    assert task["info"]["train"] == 100 and task["info"]["dev"] == {"dev": 249}   # the dev set is untouched
+    assert "trained on the first 100 of 2241 training examples" in task["info"]["notes"]
+    first = load_glue("rte", data_dir / "glue" / "RTE", splits=("train",)).train[0]
+    assert task["train"].ids[0] == sentence_tasks.encode([first], tok, task["head"]).ids[0]
+    cfg = FinetuneConfig(max_train_examples=50).resolved("bert", "tag")
+    ner = token_tasks.prepare("conll2003", tok, "bert", cfg, 512, data=data_dir / "conll2003")
+    assert ner["info"]["train"] == 50 and "trained on the first 50 of 14041 training sentences" in ner["info"]["notes"]
+    with pytest.raises(ValueError, match="max_train_examples=-1 must be >= 0"):
+        FinetuneConfig(max_train_examples=-1)
+
+
 def _write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

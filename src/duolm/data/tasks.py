@@ -327,6 +327,16 @@ def holdout(examples: list, fraction: float) -> tuple[list, list]:
     return examples[:-n], examples[-n:]
 
 
+def first(examples: list, limit: int, notes: list, what: str = "training examples") -> list:
+    """The first `limit` examples (0: all), with a note when some are left out (HF's max_train_samples).
+
+    Example: 10 items, limit 4 -> the first 4, and the note "trained on the first 4 of 10 training examples"."""
+    if limit and len(examples) > limit:
+        notes.append(f"trained on the first {limit} of {len(examples)} {what}")
+        return examples[:limit]
+    return examples
+
+
 def write_submission(path, examples: list[Example], predictions: list) -> Path:
     """A GLUE submission file: "index<TAB>prediction" per test example (labels as names, STS-B as numbers)."""
     lines = ["index\tprediction"] + [f"{e.index}\t{p:.3f}" if isinstance(p, float) else f"{e.index}\t{p}"

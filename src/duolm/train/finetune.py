@@ -63,6 +63,8 @@ class FinetuneConfig:
     select: str = _opt("mean", "several seeds: report the mean, or keep the best on dev (BERT's restarts)",
                        choices=("mean", "best"))
     dev_fraction: float = _opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
+    max_train_examples: int = _opt(0, "train on the first N training examples only (NER: sentences, SQuAD: "
+                                       "questions; 0: all)")
     context: str = _opt("sentence", "NER: each sentence alone, or with its document around it (BERT)",
                         choices=("sentence", "document"))
     stride: int = _opt(128, "SQuAD: pieces between the starts of a long context's windows")
@@ -72,6 +74,8 @@ class FinetuneConfig:
         for name in ("batch_size", "seeds", "max_length", "stride", "jobs"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_train_examples < 0:
+            raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 0 (0: all)")
         if self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0")
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from duolm.data.features import Features, collate, encode_examples, eval_batches
-from duolm.data.tasks import Example, TaskData, load_task, write_submission
+from duolm.data.tasks import Example, TaskData, first, load_task, write_submission
 from duolm.evaluation.metrics import SEQUENCE_METRICS
 from duolm.models.heads import HeadConfig
 from duolm.train.objectives import IGNORE, Objective, causal_lm_loss
@@ -181,6 +181,7 @@ def prepare(task: str, tok, family: str, cfg, block_size: int, *, data=None, tra
                       dev_fraction=cfg.dev_fraction)
     if not data_.dev:
         raise ValueError(f"task {task!r} has no dev set to select on: give a dev file or a dev fraction")
+    data_.train = first(data_.train, cfg.max_train_examples, data_.notes)
     head = HeadConfig(data_.kind, data_.labels, data_.name, min(cfg.max_length, block_size), cfg.both_orders)
     train_feats = encode(data_.train, tok, head)
     dev_feats = {p: encode(e, tok, head) for p, e in data_.dev.items()}

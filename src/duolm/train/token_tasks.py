@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from duolm.data.features import eval_batches
-from duolm.data.tasks import Question, Sentence, holdout, read_conll, read_squad, tag_scheme
+from duolm.data.tasks import Question, Sentence, first, holdout, read_conll, read_squad, tag_scheme
 from duolm.data.token_tasks import (answers, best_spans, collate_spans, collate_tags, span_features, tag_features)
 from duolm.evaluation.metrics import entities, entity_scores, invalid_starts, squad_scores
 from duolm.models.heads import HeadConfig
@@ -128,7 +128,8 @@ def prepare(task: str, tok, family: str, cfg, block_size: int, *, data=None, tra
     max_length = min(cfg.max_length, block_size)
     if kind == "tag":
         scheme = tag_scheme(train + dev)
-        labels = tag_labels(train, dev)
+        labels = tag_labels(train, dev)                           # the whole file's tag set, limited or not
+        train = first(train, cfg.max_train_examples, notes, "training sentences")
         head = HeadConfig("tag", labels, task.lower(), max_length)
         feats = tag_features(train, tok, labels, max_length, cfg.context)
         dev_feats = tag_features(dev, tok, labels, max_length, cfg.context)
@@ -141,6 +142,7 @@ def prepare(task: str, tok, family: str, cfg, block_size: int, *, data=None, tra
         cut = {"train": len(feats.cut), "dev": len(dev_feats.cut)}
     else:
         head = HeadConfig("span", [], "squad", max_length)
+        train = first(train, cfg.max_train_examples, notes, "training questions")
         feats = span_features([q for q in train if q.answers], tok, max_length, stride=cfg.stride)
         dev_feats = span_features(dev, tok, max_length, stride=cfg.stride)
         validate = lambda model: {"val_" + k: v / 100 for k, v in    # noqa: E731
