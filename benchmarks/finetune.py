@@ -12,17 +12,26 @@ The two sides alternate (ours, theirs, ours, theirs, ...); the ratio is of the m
 
 NER (--tasks ner): the same on CoNLL-2003 sentences (eng.train / eng.testa) with
 DataCollatorForTokenClassification on transformers' side, and entity prediction against
-pipeline("token-classification", aggregation_strategy="first"). (transformers 5 has no
-question-answering pipeline any more, so span QA has no pipeline to compare with.)
+pipeline("token-classification", aggregation_strategy="first").
+SQuAD (--tasks squad): answering the first --questions questions of ../shared/data/squad (with their
+paragraphs) by `predict` against pipeline("question-answering"), which transformers 5 removed: it is
+transformers 4's, from the folder `make install` fills (.venv/qa-reference), run in a subprocess that stays
+up and answers when told, so that the rounds still alternate. Both read the same windows (384 pieces,
+starts 128 apart: the pipeline's doc_stride is their overlap, set per question), with answers of at most
+30 pieces; MiniLM with a seeded span layer (untrained: the work is the same).
 
     .venv/bin/python benchmarks/finetune.py                      # 1024 SST-2 rows, 2 rounds
     .venv/bin/python benchmarks/finetune.py --tasks sst2 ner --train 4096 --rounds 3
+    .venv/bin/python benchmarks/finetune.py --tasks squad --questions 200
 """
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -33,11 +42,13 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import torch
 
-from duolm.checkpoint import save
-from duolm.data.tasks import load_glue
+from duolm.checkpoint import load, save
+from duolm.data.tasks import load_glue, read_squad
+from duolm.models.heads import HeadConfig, attach_head
 from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+QA_REFERENCE = Path(sys.prefix) / "qa-reference"
 RECIPE = dict(lr=2e-5, batch_size=32, epochs=1, warmup=0.1, weight_decay=0.01, max_length=128)
 
 
@@ -167,22 +178,79 @@ def bench_ner(args, mdir, tmp: Path):
                 f"{len(texts)} sentences vs pipeline(batch 32)")
 
 
+# transformers 4's question-answering pipeline, up until its stdin closes: each line "BATCH_SIZE" answers all
+# the job's questions and prints the seconds it took
+QA_WORKER = r"""
+import json, sys, time
+import transformers
+job = json.load(open(sys.argv[1], encoding="utf-8"))
+pipe = transformers.pipeline("question-answering", model=job["model"], device="cpu")
+print(transformers.__version__, flush=True)
+for line in sys.stdin:
+    t0 = time.perf_counter()
+    for overlap, questions, contexts in job["groups"]:
+        pipe(question=questions, context=contexts, doc_stride=overlap, batch_size=int(line), **job["params"])
+    print(time.perf_counter() - t0, flush=True)
+"""
+
+
+def bench_squad(args, mdir, tmp: Path):
+    if not (QA_REFERENCE / "transformers").is_dir():
+        sys.exit(f"{QA_REFERENCE} has no transformers: `make install` puts the question-answering reference there")
+    base, tok = load(mdir)
+    torch.manual_seed(0)
+    model = attach_head(base, HeadConfig("span", [], "squad", 384)).eval()
+    pairs = [(q.question, q.context) for q in read_squad(DATA / "squad" / "dev-v1.1-articles-01-24.json")[0]]
+    pairs = pairs[:args.questions]
+    groups: dict = {}                      # the pipeline's doc_stride (window overlap) depends on the question
+    for q, c in pairs:
+        g = groups.setdefault(384 - 3 - (len(tok.encode(q).ids) - 2) - 128, ([], []))
+        g[0].append(q)
+        g[1].append(c)
+    job = {"model": str(save(model, tmp / "qa-hf", tokenizer=tok, format="hf")), "groups": [
+        (k, *v) for k, v in groups.items()], "params": dict(max_seq_len=384, max_answer_len=30, align_to_words=False)}
+    (tmp / "qa-job.json").write_text(json.dumps(job), encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": str(QA_REFERENCE), "HF_HUB_OFFLINE": "1"}
+    with subprocess.Popen([sys.executable, "-c", QA_WORKER, str(tmp / "qa-job.json")], env=env, cwd=tmp, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE) as worker:
+        version = worker.stdout.readline().strip()
+        if not version:
+            sys.exit("the question-answering pipeline did not start (its error is above)")
+
+        def theirs(batch_size):
+            worker.stdin.write(f"{batch_size}\n")
+            worker.stdin.flush()
+            return len(pairs) / float(worker.stdout.readline())
+
+        def ours():
+            t0 = time.perf_counter()
+            predict(model, tok, pairs, batch_size=32)
+            return len(pairs) / (time.perf_counter() - t0)
+        for b in (32, 1):
+            interleaved("SQuAD answering", lambda r: ours(), lambda r: theirs(b), args.rounds,
+                        f"{len(pairs)} questions vs transformers {version} pipeline(batch {b})")
+        worker.stdin.close()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", type=int, default=1024, help="SST-2 rows to fine-tune on")
     ap.add_argument("--dev", type=int, default=64, help="SST-2 rows scored at the end of the epoch")
     ap.add_argument("--predict", type=int, default=1024, help="sentences to label")
+    ap.add_argument("--questions", type=int, default=512, help="SQuAD questions to answer")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner"])
+    ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner", "squad"])
     args = ap.parse_args()
     import transformers
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU fp32; all-MiniLM-L6-v2 on SST-2 rows")
+          f"CPU fp32; all-MiniLM-L6-v2")
     mdir = minilm_dir()
     with tempfile.TemporaryDirectory() as tmp:
         if "ner" in args.tasks:
             bench_ner(args, mdir, Path(tmp))
+        if "squad" in args.tasks:
+            bench_squad(args, mdir, Path(tmp))
         if "sst2" in args.tasks:
             bench_sst2(args, mdir, Path(tmp))
 
