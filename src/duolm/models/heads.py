@@ -33,12 +33,15 @@ class HeadConfig:
     task: the task it was trained on ("sst2", "mnli", "classify" for user data, ...), for evaluation.
     max_length: input tokens at most, as in training.
     both_orders: GPT sentence pairs were fed as A<d>B and B<d>A, their last states summed (GPT-1's similarity).
+    null_threshold: span heads trained on SQuAD v2.0: the answer is "" when the no-answer score exceeds the best
+          span's by more than this (chosen on dev); None: always the best span (v1.1).
     """
     kind: str
     labels: list = field(default_factory=list)
     task: str | None = None
     max_length: int = 128
     both_orders: bool = False
+    null_threshold: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
