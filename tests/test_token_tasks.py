@@ -278,7 +278,7 @@ def test_squad_run_split_by_article(tiny_bert_dir, squad, tmp_path, one_thread):
         predict(model, tok, [("", "context")])
 
 
-def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, one_thread):
+def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, capsys, one_thread):
     """SQuAD v2.0: questions moved to another article's paragraph (is_impossible, their answer elsewhere) are
     trained to point at [CLS]; the dev-chosen no-answer threshold is saved with best/ and predict / evaluate
     answer with it."""
@@ -312,6 +312,11 @@ def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, one
         empty = raw[q.id]["null_odds"] > threshold
         assert (g["answer"], g["start"]) == (("", None) if empty else (raw[q.id]["text"], raw[q.id]["start"]))
     assert 0 < sum(g["answer"] == "" for g in got) < len(got)               # both kinds of answer occur
+    from duolm.cli import main
+    q = next(q for q, g in zip(dev, got) if g["answer"] == "")
+    (tmp_path / "context.txt").write_text(q.context, encoding="utf-8")
+    main(["predict", str(tmp_path / "qa"), "--question", q.question, "--context", str(tmp_path / "context.txt")])
+    assert capsys.readouterr().out.split("\t")[1:3] == ["", "(no answer)"]
 
 
 def data_dir_path():

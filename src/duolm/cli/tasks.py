@@ -106,7 +106,8 @@ def _prediction_line(inp, r) -> str:
     if isinstance(r, list):                                  # a tagger: the entities of the text
         return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
     if "answer" in r:
-        return f"{inp[0]}\t{r['answer']}\t[{r['start']}:{r['end']}]\t{r['score']:.3f}"
+        span = f"[{r['start']}:{r['end']}]" if r["start"] is not None else "(no answer)"
+        return f"{inp[0]}\t{r['answer']}\t{span}\t{r['score']:.3f}"
     what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
     return "\t".join(inp if isinstance(inp, tuple) else (inp,)) + "\t" + what
 
