@@ -83,7 +83,7 @@ class BertForSequence(nn.Module):
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
         """idx, segment_ids, attention_mask (B, T) as Bert -> logits (B, n_out)."""
-        _, pooled = self.bert(idx, segment_ids, attention_mask)
+        _, pooled = self.bert(idx, segment_ids, attention_mask, cls_only=True)
         return self.fc(self.drop(pooled))
 
 
