@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import doctest
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -154,3 +159,71 @@ def test_squad_normalisation_rules():
     got = squad_scores({"q1": "Broncos", "q2": "Carolina"}, {"q1": ["Denver Broncos"], "q2": ["Panthers"],
                                                              "q3": ["x"]})
     assert got == {"exact_match": 0.0, "f1": pytest.approx(100 * (2 / 3) / 3)}
+
+
+def test_squad_v2_worked_examples():
+    from duolm.evaluation.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
+    assert squad_question_scores({"a": "Denver Broncos", "b": ""}, {"a": ["Broncos"], "b": []}) == \
+        {"a": (0.0, pytest.approx(2 / 3)), "b": (1.0, 1.0)}
+    assert squad_question_scores({"b": "the"}, {"b": []}) == {"b": (1.0, 1.0)}     # "" after normalising
+    assert squad_question_scores({"b": "Broncos"}, {"b": []}) == {"b": (0.0, 0.0)}
+    assert squad_question_scores({"a": ""}, {"a": ["the"]}) == {"a": (1.0, 0.0)}    # v1.1: "the" is a gold text
+    assert squad_question_scores({"a": ""}, {"a": ["the"], "b": []}) == {"a": (1.0, 1.0), "b": (1.0, 1.0)}  # v2.0
+    score, threshold = squad_null_threshold({"a": 1.0, "b": 0.0, "c": 0.5}, {"a": -2.0, "b": 1.0, "c": 3.0},
+                                            {"a": True, "b": False, "c": True}, {"a": True, "b": True, "c": True})
+    assert (score, threshold) == (pytest.approx(200 / 3), -2.0)
+    got = squad_v2_scores({"a": "Broncos", "b": "Panthers"}, {"a": ["Broncos"], "b": []}, {"a": -1, "b": 2}, 0)
+    assert got == {"exact_match": 100.0, "f1": 100.0, "null_threshold": 0}
+    assert squad_v2_scores({"a": "Broncos", "b": "Panthers"}, {"a": ["Broncos"], "b": []}, {"a": -1, "b": 2}, 5) \
+        == {"exact_match": 50.0, "f1": 50.0, "null_threshold": 5}
+
+
+QA_REFERENCE = Path(sys.prefix) / "qa-reference"     # transformers 4.57.3 (make install): its SQuAD v2.0 metrics
+
+_V2_REFERENCE = """
+import json, sys
+from types import SimpleNamespace
+from transformers.data.metrics import squad_metrics as m
+out = []
+for case in json.load(sys.stdin):
+    examples = [SimpleNamespace(qas_id=q, answers=[{"text": t} for t in a]) for q, a in case["gold"].items()]
+    has = {e.qas_id: bool(e.answers) for e in examples}
+    exact, f1 = m.get_raw_scores(examples, case["pred"])
+    best_f1, thresh = m.find_best_thresh(case["pred"], f1, case["odds"], has)
+    out.append({"exact": exact, "f1": f1, "best_f1": best_f1, "thresh": thresh,
+                "eval": m.squad_evaluate(examples, case["pred"], case["odds"], thresh)})
+print(json.dumps(out))
+"""
+
+
+def test_squad_v2_equals_the_official_script():
+    """SQuAD v2.0 EM / F1 of each question, the best no-answer threshold and the scores at it, against the
+    official v2.0 script's functions as transformers 4.57 ships them (squad_metrics), on random cases with
+    no-answer questions, empty predictions, gold texts that normalize to nothing and tied odds."""
+    from duolm.evaluation.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
+    if not (QA_REFERENCE / "transformers").is_dir():
+        pytest.fail(f"{QA_REFERENCE} is missing: run `make install` (the QA reference is a test dependency)")
+    words = ["the", "a", "Denver", "Broncos", "won", "Super", "Bowl", "50", "!", "an", "Levi's", "Stadium"]
+    rng = random.Random(0)
+    phrase = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))          # noqa: E731
+    cases = []
+    for case_no in range(8):
+        gold = {f"q{i}": [] if rng.random() < 0.4 else [phrase() for _ in range(rng.randint(1, 3))]
+                for i in range(60)}
+        pred = {q: "" if rng.random() < 0.2 else phrase() for q in gold}
+        odds = {q: float(rng.randint(-5, 5)) if case_no % 2 else rng.gauss(0, 3) for q in gold}
+        cases.append({"gold": gold, "pred": pred, "odds": odds})
+    refs = json.loads(subprocess.run([sys.executable, "-c", _V2_REFERENCE], input=json.dumps(cases), text=True,
+                                     capture_output=True, check=True,
+                                     env={**os.environ, "PYTHONPATH": str(QA_REFERENCE)}).stdout)
+    for case, ref in zip(cases, refs):
+        gold, pred, odds = case["gold"], case["pred"], case["odds"]
+        per = squad_question_scores(pred, gold)
+        assert {q: e for q, (e, _) in per.items()} == ref["exact"]
+        assert {q: f for q, (_, f) in per.items()} == pytest.approx(ref["f1"])
+        best, threshold = squad_null_threshold({q: f for q, (_, f) in per.items()}, odds,
+                                               {q: bool(a) for q, a in gold.items()}, {q: bool(p) for q, p in pred.items()})
+        assert (best, threshold) == (pytest.approx(ref["best_f1"]), ref["thresh"])
+        at = squad_v2_scores(pred, gold, odds)
+        assert at == {"exact_match": pytest.approx(ref["eval"]["exact"]), "f1": pytest.approx(ref["eval"]["f1"]),
+                      "null_threshold": threshold}

@@ -189,6 +189,12 @@ def test_bert_pretraining_matches_transformers_with_padding(attn):
     # a padded row's real positions do not depend on the padding
     alone, _ = ours.bert(idx[2:3, :6], seg[2:3, :6])
     torch.testing.assert_close(hidden[2, :6], alone[0], atol=ATOL, rtol=0)
+    # cls_only (what sequence heads use): the last layer at [CLS] only, the same pooled output as transformers'
+    first, pooled_first = ours.bert(idx, seg, mask, cls_only=True)
+    assert first.shape == (3, 1, hidden.shape[-1])
+    torch.testing.assert_close(first[:, 0], out.hidden_states[-1][:, 0], atol=ATOL, rtol=0)
+    torch.testing.assert_close(pooled_first, theirs.bert(idx, token_type_ids=seg, attention_mask=mask).pooler_output,
+                               atol=ATOL, rtol=0)
 
 
 @torch.no_grad()

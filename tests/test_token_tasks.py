@@ -278,6 +278,47 @@ def test_squad_run_split_by_article(tiny_bert_dir, squad, tmp_path, one_thread):
         predict(model, tok, [("", "context")])
 
 
+def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, capsys, one_thread):
+    """SQuAD v2.0: questions moved to another article's paragraph (is_impossible, their answer elsewhere) are
+    trained to point at [CLS]; the dev-chosen no-answer threshold is saved with best/ and predict / evaluate
+    answer with it."""
+    doc = json.loads((data_dir_path() / "squad" / "dev-v1.1-articles-01-24.json").read_text(encoding="utf-8"))
+    data = [{**a, "paragraphs": [dict(p, qas=list(p["qas"])) for p in a["paragraphs"][:2]]} for a in doc["data"][:5]]
+    for i, a in enumerate(data):                                  # a third of the questions, into the next article
+        donor = data[(i + 1) % len(data)]["paragraphs"][0]
+        moved = donor["qas"][::3]
+        donor["qas"] = [q for q in donor["qas"] if q not in moved]
+        a["paragraphs"][1]["qas"] += [{**q, "id": q["id"] + "-x", "is_impossible": True, "answers": [],
+                                       "plausible_answers": q["answers"]} for q in moved]
+    v2 = tmp_path / "v2.json"
+    v2.write_text(json.dumps({"version": "v2.0", "data": data}), encoding="utf-8")
+    questions, _ = read_squad(v2)
+    impossible = [q for q in questions if q.impossible]
+    assert impossible and all(q.answers == [] and q.id.endswith("-x") for q in impossible)
+
+    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=96, stride=48, dev_fraction=0.2)
+    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, train_file=v2)
+    train_no_answer = sum(q.impossible for q in questions if q.title != data[4]["title"])
+    assert f"SQuAD v2.0: {train_no_answer} training questions without an answer" in " ".join(res["notes"])
+    model, tok = load_finetuned(tmp_path / "qa")
+    threshold = model.head.null_threshold
+    assert isinstance(threshold, float)
+    dev = [q for q in questions if q.title == data[4]["title"]]
+    scores = token_tasks.evaluate(model, tok, "squad", data=v2, dev_fraction=0.2)       # x 100, at the same threshold
+    assert scores == pytest.approx({k: 100 * v for k, v in res["best"]["metrics"].items()} | {"null_threshold": threshold})
+    raw = token_tasks.answer_questions(model, tok, dev)
+    got = predict(model, tok, [(q.question, q.context) for q in dev])
+    for q, g in zip(dev, got):
+        empty = raw[q.id]["null_odds"] > threshold
+        assert (g["answer"], g["start"]) == (("", None) if empty else (raw[q.id]["text"], raw[q.id]["start"]))
+    assert 0 < sum(g["answer"] == "" for g in got) < len(got)               # both kinds of answer occur
+    from duolm.cli import main
+    q = next(q for q, g in zip(dev, got) if g["answer"] == "")
+    (tmp_path / "context.txt").write_text(q.context, encoding="utf-8")
+    main(["predict", str(tmp_path / "qa"), "--question", q.question, "--context", str(tmp_path / "context.txt")])
+    assert capsys.readouterr().out.split("\t")[1:3] == ["", "(no answer)"]
+
+
 def data_dir_path():
     from conftest import DATA
     return DATA

@@ -1,5 +1,5 @@
-"""Options from config dataclasses (one set of defaults, help text from the fields), and the training
-progress bar every training command shows."""
+"""Options from config dataclasses (one set of defaults, help text from the fields), the training progress bar
+every training command shows, and bars opened on demand."""
 from __future__ import annotations
 
 import dataclasses
@@ -58,3 +58,24 @@ class Progress:
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+class Bars:
+    """tqdm bars opened on demand, one per key (a task, a run), all closed when the with-block ends."""
+
+    def __init__(self, disable: bool):
+        self.disable, self.bars = disable, {}
+
+    def __enter__(self):
+        return self
+
+    def __call__(self, key, total: int, **kw):
+        from tqdm import tqdm
+
+        if key not in self.bars:
+            self.bars[key] = tqdm(total=total, disable=self.disable, dynamic_ncols=True, **kw)
+        return self.bars[key]
+
+    def __exit__(self, *exc):
+        for bar in self.bars.values():
+            bar.close()

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from duolm.cli.options import add_options, options
+from duolm.cli.options import Bars, add_options, options
 
 
 def add_task_data(p):
@@ -29,36 +29,28 @@ def _finetune_banner(info, out) -> list[str]:
 
 
 def cmd_finetune(args):
-    from tqdm import tqdm
-
     from duolm.train.finetune import FinetuneConfig, finetune, finetune_glue
 
     bar, shown = None, {}
+    with Bars(args.quiet or args.json) as bars:
+        def on_start(info):                        # once per task (--suite: each task in turn)
+            nonlocal bar
+            print("\n".join([] if args.json else _finetune_banner(info, args.out)))
+            bar = bars(info["task"], info["runs"] * info["steps"], unit="step")
 
-    def on_start(info):
-        nonlocal bar
-        if bar is not None:                        # --suite: the next task
-            bar.close()
-        print("\n".join([] if args.json else _finetune_banner(info, args.out)))
-        bar = tqdm(total=info["runs"] * info["steps"], unit="step", dynamic_ncols=True, disable=args.quiet or args.json)
+        def on_log(row):                           # the bar shows the loss and the latest dev metrics
+            bar.update("loss" in row)
+            shown.update({k.removeprefix("val_"): f"{v:.4f}" for k, v in row.items()
+                          if k == "loss" or k.startswith("val_") and not k.endswith("loss")})
+            bar.set_postfix(shown, refresh=False)
 
-    def on_log(row):                               # the bar shows the loss and the latest dev metrics
-        bar.update("loss" in row)
-        shown.update({k.removeprefix("val_"): f"{v:.4f}" for k, v in row.items()
-                      if k == "loss" or k.startswith("val_") and not k.endswith("loss")})
-        bar.set_postfix(shown, refresh=False)
-
-    kw = dict(device=args.device, resume=args.resume, on_start=on_start, on_log=on_log)
-    try:
+        kw = dict(device=args.device, resume=args.resume, on_start=on_start, on_log=on_log)
         if args.suite:
             finetune_glue(args.model, args.data, args.out, options(FinetuneConfig, args), **kw)
             return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
         res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), data=args.data,
                        train_file=args.train, dev_file=args.dev, text_column=args.text_column,
                        pair_column=args.text_pair_column, label_column=args.label_column, **kw)
-    finally:
-        if bar is not None:
-            bar.close()
     print(json.dumps({k: res[k] for k in ("task", "metric", "runs", "mean", "std", "best", "result")})
           if args.json else (Path(args.out) / "results.md").read_text(encoding="utf-8"))
 
@@ -106,7 +98,8 @@ def _prediction_line(inp, r) -> str:
     if isinstance(r, list):                                  # a tagger: the entities of the text
         return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
     if "answer" in r:
-        return f"{inp[0]}\t{r['answer']}\t[{r['start']}:{r['end']}]\t{r['score']:.3f}"
+        span = f"[{r['start']}:{r['end']}]" if r["start"] is not None else "(no answer)"
+        return f"{inp[0]}\t{r['answer']}\t{span}\t{r['score']:.3f}"
     what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
     return "\t".join(inp if isinstance(inp, tuple) else (inp,)) + "\t" + what
 
@@ -181,11 +174,6 @@ def add_evaluate(sub):
 
 
 def cmd_eval(args):
-    import json
-    from pathlib import Path
-
-    from tqdm import tqdm
-
     from duolm.checkpoint import load
     from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
     from duolm.fileio import write_json, write_text
@@ -193,22 +181,15 @@ def cmd_eval(args):
     if not ((args.task and args.data) or (args.suite and args.data_dir)):
         raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
     model, tok = load(args.model)
-    bars = {}
-
-    def progress(task, done, total, metrics):
-        if task not in bars:
-            bars[task] = tqdm(desc=task, total=total, disable=args.json, leave=False)
-        bar = bars[task]
-        bar.update(done - bar.n)
-        bar.set_postfix(metrics)
-
     opts = dataclasses.asdict(options(EvalOptions, args))
-    try:
+    with Bars(args.json) as bars:
+        def progress(task, done, total, metrics):
+            bar = bars(task, total, desc=task, leave=False)
+            bar.update(done - bar.n)
+            bar.set_postfix(metrics)
+
         result = (run_suite(model, tok, args.data_dir, progress, **opts) if args.suite else
                   evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
-    finally:
-        for bar in bars.values():
-            bar.close()
     table = markdown(result)
     if args.out:
         write_json(args.out, result)

@@ -439,17 +439,19 @@ def tag_scheme(sentences: list[Sentence], path="") -> str:
 @dataclass
 class Question:
     """One SQuAD question: its context, gold answers (texts and character starts; empty when unanswerable or
-    unlabelled) and the article it comes from."""
+    unlabelled), the article it comes from, and whether it has no answer in its context (SQuAD v2.0)."""
     id: str
     question: str
     context: str
     answers: list = field(default_factory=list)
     starts: list = field(default_factory=list)
     title: str = ""
+    impossible: bool = False
 
 
 def read_squad(path) -> tuple[list[Question], list[str]]:
-    """-> (questions, problems) of a SQuAD v1.1 / v2.0 json file. An answer whose answer_start does not point
+    """-> (questions, problems) of a SQuAD v1.1 / v2.0 json file (v2.0: "is_impossible" questions have no answers;
+    their "plausible_answers" are not read). An answer whose answer_start does not point
     at its text in the context is left out and listed in `problems` (file, question id); a file of another
     shape, an empty question or an empty context is an error naming the file and the question."""
     path = Path(path)
@@ -473,8 +475,9 @@ def read_squad(path) -> tuple[list[Question], list[str]]:
                 if not isinstance(qa, dict) or not str(qa.get("question", "")).strip() or "id" not in qa:
                     qid = qa.get("id", "?") if isinstance(qa, dict) else repr(qa)
                     raise ValueError(f"{where}: question {qid} is empty or has no id")
-                q = Question(str(qa["id"]), qa["question"], para["context"], title=str(article.get("title", "")))
-                for ans in qa.get("answers", []):
+                q = Question(str(qa["id"]), qa["question"], para["context"], title=str(article.get("title", "")),
+                             impossible=qa.get("is_impossible") is True)
+                for ans in [] if q.impossible else qa.get("answers", []):
                     text, start = ans.get("text", ""), ans.get("answer_start", -1)
                     if not isinstance(start, int) or para["context"][start:start + len(text)] != text or not text:
                         problems.append(f"{path}: question {q.id}: answer {text!r} is not at answer_start {start}")

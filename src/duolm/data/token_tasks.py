@@ -243,19 +243,33 @@ def best_spans(start_logits, end_logits, features: SpanFeatures, rows, n_best: i
     return out
 
 
-def answers(features: SpanFeatures, questions: list[Question], spans_per_row) -> dict[str, dict]:
-    """The best span of each question over its windows -> {id: {"text", "start", "end", "score"}}, the text cut
-    from the original context by the pieces' character offsets ("" when no window has a valid span)."""
+def answers(features: SpanFeatures, questions: list[Question], spans_per_row, null_per_row,
+            null_threshold: float | None = None) -> dict[str, dict]:
+    """The best span of each question over its windows -> {id: {"text", "start", "end", "score", "null_odds"}}, the
+    text cut from the original context by the pieces' character offsets ("" when no window has a valid span).
+
+    null_odds (SQuAD v2.0, run_squad.py's score_diff): the no-answer score, the least [CLS] start + end logit
+    (null_per_row) over the question's windows, minus the best span's score. With a null_threshold, a question
+    whose null_odds exceed it gets the empty answer (start and end None, the no-answer score as its score).
+
+    Example: windows with [CLS] scores 1.0 and 3.0 and a best span of 2.5 -> null_odds 1.0 - 2.5 = -1.5:
+    answered with threshold 0, and with threshold -2 answered "". """
     best: dict = {}
+    null = [math.inf] * len(questions)
     for r, cands in zip(range(len(features)), spans_per_row):
+        q = features.question[r]
+        null[q] = min(null[q], null_per_row[r])
         if not cands:
             continue
         score, s, e = cands[0]
-        q = features.question[r]
         if q not in best or score > best[q][0]:
             best[q] = (score, features.offsets[r][s][0], features.offsets[r][e][1])
     out = {}
     for qi, q in enumerate(questions):
-        score, a, b = best.get(qi, (float("-inf"), 0, 0))
-        out[q.id] = {"text": q.context[a:b], "start": a, "end": b, "score": score}
+        score, a, b = best.get(qi, (-math.inf, 0, 0))
+        odds = null[qi] - score
+        if null_threshold is not None and odds > null_threshold:
+            out[q.id] = {"text": "", "start": None, "end": None, "score": null[qi], "null_odds": odds}
+        else:
+            out[q.id] = {"text": q.context[a:b], "start": a, "end": b, "score": score, "null_odds": odds}
     return out

@@ -246,11 +246,60 @@ def token_f1(prediction: str, gold: str) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
+def squad_question_scores(predictions: dict, answers: dict) -> dict:
+    """{id: (exact, f1)} of each question of `answers` ({id: [gold texts]}), a missing prediction scoring 0, as
+    the official v1.1 script. An empty gold list is a question without an answer (SQuAD v2.0): "" is right and
+    anything else wrong, and (as v2.0's script) gold texts that normalize to nothing are dropped.
+
+    Example: {"a": "Denver Broncos", "b": ""} against {"a": ["Broncos"], "b": []} -> {"a": (0, 2/3), "b": (1, 1)}."""
+    v2 = any(not a for a in answers.values())
+    out = {}
+    for q, a in answers.items():
+        pred, golds = predictions.get(q, ""), [g for g in a if normalize_answer(g)] if v2 else a
+        empty = float(not normalize_answer(pred))
+        out[q] = (squad_exact(pred, golds), squad_f1(pred, golds)) if golds else (empty, empty)
+    return out
+
+
 def squad_scores(predictions: dict, answers: dict) -> dict:
-    """{"exact_match", "f1"} x 100 over the questions of `answers` ({id: [gold texts]}), a missing prediction
-    scoring 0, as the official script."""
+    """{"exact_match", "f1"} x 100: the mean of squad_question_scores."""
     if not answers:
         raise ValueError("no questions to score")
-    em = sum(squad_exact(predictions.get(q, ""), a) for q, a in answers.items())
-    f1_ = sum(squad_f1(predictions.get(q, ""), a) for q, a in answers.items())
-    return {"exact_match": 100 * em / len(answers), "f1": 100 * f1_ / len(answers)}
+    per = squad_question_scores(predictions, answers).values()
+    return {"exact_match": 100 * sum(e for e, _ in per) / len(per), "f1": 100 * sum(f for _, f in per) / len(per)}
+
+
+def squad_null_threshold(scores: dict, null_odds: dict, has_answer: dict, answered: dict) -> tuple[float, float]:
+    """SQuAD v2.0's best no-answer threshold (the official script's find_best_thresh): a question is answered ""
+    when its null_odds exceed the threshold. scores: each question's score (0-1, EM or F1) of its best span;
+    answered: whether that span is non-empty. -> (the best total score x 100, its threshold).
+
+    Start with every question answered "" (the no-answer questions right), then answer them one by one in
+    increasing null_odds, keeping the best total. Example: a (has an answer, span F1 1.0, odds -2), b (no answer,
+    a span, odds 1), c (has an answer, F1 0.5, odds 3): all "" -> 1; answer a -> 2; b -> 1; c -> 1.5:
+    (200 / 3, -2)."""
+    total = sum(not h for h in has_answer.values())
+    best, threshold = total, 0.0
+    for q in sorted(null_odds, key=null_odds.get):
+        total += scores[q] if has_answer[q] else -float(answered[q])
+        if total > best:
+            best, threshold = total, null_odds[q]
+    return 100 * best / len(scores), threshold
+
+
+def squad_v2_scores(predictions: dict, answers: dict, null_odds: dict, threshold: float | None = None) -> dict:
+    """SQuAD v2.0's official {"exact_match", "f1"} x 100 with a no-answer threshold, and the threshold: a question
+    whose null_odds exceed it is answered "" (right exactly when it has no gold text), the others are scored by
+    their predicted span (squad_question_scores). threshold None: the one that maximizes F1 (the script's best_f1).
+
+    Example: predictions {"a": "Broncos", "b": "Panthers"}, answers {"a": ["Broncos"], "b": []}, null_odds
+    {"a": -1, "b": 2}, threshold 0 -> a answered and right, b answered "" and right: 100, 100."""
+    per = squad_question_scores(predictions, answers)
+    has = {q: bool(a) for q, a in answers.items()}
+    if threshold is None:
+        _, threshold = squad_null_threshold({q: f for q, (_, f) in per.items()}, {q: null_odds[q] for q in answers},
+                                            has, {q: bool(predictions.get(q, "")) for q in answers})
+    at = [(float(not has[q]),) * 2 if null_odds[q] > threshold else per[q] for q in answers]
+    return {"exact_match": 100 * sum(e for e, _ in at) / len(at), "f1": 100 * sum(f for _, f in at) / len(at),
+            "null_threshold": threshold}
+

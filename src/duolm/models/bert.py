@@ -80,16 +80,23 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, mask=None):
-        """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key."""
+    def forward(self, x, mask=None, first_only: bool = False):
+        """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key. first_only: queries from the first
+        position only (every position is still a key and value) -> (B, 1, C)."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        q = q.view(B, T, self.n_head, -1).transpose(1, 2)     # (B, nh, T, hd), strided views
+        if first_only:
+            w, b = self.c_attn.weight, self.c_attn.bias
+            q = F.linear(x[:, :1], w[:C], b[:C])
+            k, v = F.linear(x, w[C:], b[C:]).split(C, dim=2)
+        else:
+            q, k, v = self.c_attn(x).split(C, dim=2)
+        Tq = q.shape[1]
+        q = q.view(B, Tq, self.n_head, -1).transpose(1, 2)    # (B, nh, T, hd), strided views
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
-        y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        y = self.c_proj(y.transpose(1, 2).reshape(B, Tq, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
 
@@ -120,8 +127,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
 
-    def forward(self, x, mask=None):
-        x = self.ln_1(x + self.attn(x, mask))
+    def forward(self, x, mask=None, first_only: bool = False):
+        x = self.ln_1((x[:, :1] if first_only else x) + self.attn(x, mask, first_only))
         x = self.ln_2(x + self.mlp(x))
         return x
 
@@ -183,9 +190,12 @@ class Bert(nn.Module):
         if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
 
-    def forward(self, idx, segment_ids=None, attention_mask=None):
+    def forward(self, idx, segment_ids=None, attention_mask=None, cls_only: bool = False):
         """idx (B, T), segment_ids (B, T) of 0/1 (default all 0), attention_mask (B, T) of 0/1
-        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C))."""
+        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C)).
+
+        cls_only: the last layer computes the [CLS] position only, all that the pooler reads (the same pooled
+        output for 1/n_layer less work at any length; hidden is then (B, 1, C))."""
         self._check(idx, segment_ids, attention_mask)
         B, T = idx.shape
         x = self.wte(idx) + self.wpe.weight[:T]
@@ -196,8 +206,8 @@ class Bert(nn.Module):
         mask = None
         if attention_mask is not None:
             mask = attention_mask.to(device=idx.device, dtype=torch.bool)[:, None, None, :]   # (B, 1, 1, T)
-        for block in self.h:
-            x = block(x, mask)
+        for i, block in enumerate(self.h):
+            x = block(x, mask, cls_only and i == len(self.h) - 1)
         pooled = torch.tanh(self.pool(x[:, 0]))    # the [CLS] position
         return x, pooled
 

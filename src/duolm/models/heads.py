@@ -33,12 +33,15 @@ class HeadConfig:
     task: the task it was trained on ("sst2", "mnli", "classify" for user data, ...), for evaluation.
     max_length: input tokens at most, as in training.
     both_orders: GPT sentence pairs were fed as A<d>B and B<d>A, their last states summed (GPT-1's similarity).
+    null_threshold: span heads trained on SQuAD v2.0: the answer is "" when the no-answer score exceeds the best
+          span's by more than this (chosen on dev); None: always the best span (v1.1).
     """
     kind: str
     labels: list = field(default_factory=list)
     task: str | None = None
     max_length: int = 128
     both_orders: bool = False
+    null_threshold: float | None = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -80,7 +83,7 @@ class BertForSequence(nn.Module):
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
         """idx, segment_ids, attention_mask (B, T) as Bert -> logits (B, n_out)."""
-        _, pooled = self.bert(idx, segment_ids, attention_mask)
+        _, pooled = self.bert(idx, segment_ids, attention_mask, cls_only=True)
         return self.fc(self.drop(pooled))
 
 

@@ -6,7 +6,9 @@ question answering: their losses, their preparation for finetune(), predictions 
 
 Entity F1 is conlleval's (duolm.evaluation.metrics.entity_scores); QA is scored by the SQuAD v1.1 script's
 exact match and F1, the answer of a question being the best span over its windows (n-best 20 starts x 20
-ends, at most 30 pieces, scored where the start piece has its max context).
+ends, at most 30 pieces, scored where the start piece has its max context). SQuAD v2.0 as run_squad.py with
+version_2_with_negative: a question without an answer is trained to point at [CLS], and answered "" when its
+no-answer score beats the best span by more than a threshold chosen on dev (the v2.0 script's best_f1).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 from duolm.data.features import eval_batches
 from duolm.data.tasks import Question, Sentence, first, holdout, read_conll, read_squad, tag_scheme
 from duolm.data.token_tasks import (answers, best_spans, collate_spans, collate_tags, span_features, tag_features)
-from duolm.evaluation.metrics import entities, entity_scores, invalid_starts, squad_scores
+from duolm.evaluation.metrics import entities, entity_scores, invalid_starts, squad_scores, squad_v2_scores
 from duolm.models.heads import HeadConfig
 from duolm.tokenizers import WordPiece
 from duolm.train.objectives import IGNORE, Objective
@@ -143,11 +145,13 @@ def prepare(task: str, tok, family: str, cfg, block_size: int, *, data=None, tra
     else:
         head = HeadConfig("span", [], "squad", max_length)
         train = first(train, cfg.max_train_examples, notes, "training questions")
-        feats = span_features([q for q in train if q.answers], tok, max_length, stride=cfg.stride)
+        feats = span_features([q for q in train if q.answers or q.impossible], tok, max_length, stride=cfg.stride)
         dev_feats = span_features(dev, tok, max_length, stride=cfg.stride)
-        validate = lambda model: {"val_" + k: v / 100 for k, v in    # noqa: E731
-                                  span_scores(model, tok, dev, dev_feats, 2 * cfg.batch_size).items()}
+        validate = _span_validator(tok, dev, dev_feats, 2 * cfg.batch_size)
         metrics, collate, sizes = ("f1", "exact_match"), collate_spans, (len(train), len(dev))
+        if any(q.impossible for q in train + dev):
+            notes.append(f"SQuAD v2.0: {sum(q.impossible for q in train)} training questions without an answer "
+                         f"(target [CLS]); the no-answer threshold is chosen on dev")
         cut = {"train questions": feats.cut_questions, "dev questions": dev_feats.cut_questions}
         notes.append(f"{len(feats)} training windows of at most {max_length} pieces from {sizes[0]} questions")
     return {"head": head, "train": feats, "collate": collate, "metrics": metrics, "objective": token_objective(kind),
@@ -220,20 +224,39 @@ def predict_entities(model, tok, texts: list[str], batch_size: int = 64) -> list
 
 
 def answer_questions(model, tok, questions: list[Question], features=None, batch_size: int = 64,
-                     stride: int = 128) -> dict[str, dict]:
-    """{question id: {"text", "start", "end", "score"}}: the best span of each question's context (see the
-    module doc); a context of any length is read through windows."""
+                     stride: int = 128, null_threshold: float | None = None) -> dict[str, dict]:
+    """{question id: {"text", "start", "end", "score", "null_odds"}}: the best span of each question's context
+    (see the module doc), or "" where the no-answer score beats it by more than null_threshold (SQuAD v2.0,
+    duolm.data.token_tasks.answers); a context of any length is read through windows."""
     features = features or span_features(questions, tok, model.head.max_length, stride=stride)
     outs = _outputs(model, features, collate_spans, batch_size)
-    rows = range(len(features))
-    spans = best_spans([o[:, 0].tolist() for o in outs], [o[:, 1].tolist() for o in outs], features, rows)
-    return answers(features, questions, spans)
+    spans = best_spans([o[:, 0].tolist() for o in outs], [o[:, 1].tolist() for o in outs], features,
+                       range(len(features)))
+    return answers(features, questions, spans, [float(o[0, 0] + o[0, 1]) for o in outs], null_threshold)
 
 
-def span_scores(model, tok, questions: list[Question], features=None, batch_size: int = 64) -> dict:
-    """The official SQuAD v1.1 exact match and F1 (x 100) of the model on questions with gold answers."""
+def span_scores(model, tok, questions: list[Question], features=None, batch_size: int = 64,
+                null_threshold: float | None = None) -> dict:
+    """The official SQuAD exact match and F1 (x 100) of the model on questions with gold answers. SQuAD v2.0
+    (questions without an answer among them): at `null_threshold`, or, when it is None, at the threshold that
+    maximizes F1 on these questions (the official script's best_f1), returned as "null_threshold"."""
     pred = answer_questions(model, tok, questions, features, batch_size)
-    return squad_scores({k: v["text"] for k, v in pred.items()}, {q.id: q.answers for q in questions if q.answers})
+    gold = {q.id: q.answers for q in questions if q.answers or q.impossible}
+    texts = {k: v["text"] for k, v in pred.items()}
+    if not any(q.impossible for q in questions):
+        return squad_scores(texts, gold)
+    return squad_v2_scores(texts, gold, {k: v["null_odds"] for k, v in pred.items()}, null_threshold)
+
+
+def _span_validator(tok, dev: list[Question], features, batch_size: int):
+    """validate(model) for train(): dev EM / F1 as fractions; on SQuAD v2.0 the no-answer threshold that maximizes
+    dev F1 becomes the model's own (head.null_threshold), so that best/ answers with it."""
+    def validate(model):
+        scores = span_scores(model, tok, dev, features, batch_size)
+        if "null_threshold" in scores:
+            model.head.null_threshold = scores.pop("null_threshold")
+        return {"val_" + k: v / 100 for k, v in scores.items()}
+    return validate
 
 
 def predict(model, tok, inputs, batch_size: int = 64) -> list:
@@ -245,7 +268,7 @@ def predict(model, tok, inputs, batch_size: int = 64) -> list:
         if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(str(x).strip() for x in pair):
             raise ValueError(f"input {i}: a question answerer takes (question, context) pairs, both non-empty")
         questions.append(Question(str(i), pair[0], pair[1]))
-    got = answer_questions(model, tok, questions, batch_size=batch_size)
+    got = answer_questions(model, tok, questions, batch_size=batch_size, null_threshold=model.head.null_threshold)
     return [{"answer": got[q.id]["text"], **{k: got[q.id][k] for k in ("start", "end", "score")}} for q in questions]
 
 
@@ -258,4 +281,4 @@ def evaluate(model, tok, task: str, data=None, dev_file=None, dev_fraction: floa
     else:
         _, items, _ = load_data(task, data, None, None, dev_fraction)
     return tag_scores(model, tok, items, batch_size=batch_size) if model.head.kind == "tag" else \
-        span_scores(model, tok, items, batch_size=batch_size)
+        span_scores(model, tok, items, batch_size=batch_size, null_threshold=model.head.null_threshold)
