@@ -1,9 +1,19 @@
+import sys
 from pathlib import Path
 
 import pytest
 
 # ../shared/data beside the checkout (CI clones with shared/ beside it).
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def qa_reference() -> Path:
+    """transformers 4.57.3 (the last with pipeline("question-answering") and the SQuAD v2.0 script's functions),
+    installed by `make install` in a folder of its own, for subprocesses that put it first on PYTHONPATH."""
+    folder = Path(sys.prefix) / "qa-reference"
+    if not (folder / "transformers").is_dir():
+        pytest.fail(f"{folder} has no transformers: `make install` puts the question-answering reference there")
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,6 @@ import random
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 
@@ -178,8 +177,6 @@ def test_squad_v2_worked_examples():
         == {"exact_match": 50.0, "f1": 50.0, "null_threshold": 5}
 
 
-QA_REFERENCE = Path(sys.prefix) / "qa-reference"     # transformers 4.57.3 (make install): its SQuAD v2.0 metrics
-
 _V2_REFERENCE = """
 import json, sys
 from types import SimpleNamespace
@@ -200,9 +197,8 @@ def test_squad_v2_equals_the_official_script():
     """SQuAD v2.0 EM / F1 of each question, the best no-answer threshold and the scores at it, against the
     official v2.0 script's functions as transformers 4.57 ships them (squad_metrics), on random cases with
     no-answer questions, empty predictions, gold texts that normalize to nothing and tied odds."""
+    from conftest import qa_reference
     from duolm.evaluation.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
-    if not (QA_REFERENCE / "transformers").is_dir():
-        pytest.fail(f"{QA_REFERENCE} is missing: run `make install` (the QA reference is a test dependency)")
     words = ["the", "a", "Denver", "Broncos", "won", "Super", "Bowl", "50", "!", "an", "Levi's", "Stadium"]
     rng = random.Random(0)
     phrase = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))          # noqa: E731
@@ -215,7 +211,7 @@ def test_squad_v2_equals_the_official_script():
         cases.append({"gold": gold, "pred": pred, "odds": odds})
     refs = json.loads(subprocess.run([sys.executable, "-c", _V2_REFERENCE], input=json.dumps(cases), text=True,
                                      capture_output=True, check=True,
-                                     env={**os.environ, "PYTHONPATH": str(QA_REFERENCE)}).stdout)
+                                     env={**os.environ, "PYTHONPATH": str(qa_reference())}).stdout)
     for case, ref in zip(cases, refs):
         gold, pred, odds = case["gold"], case["pred"], case["odds"]
         per = squad_question_scores(pred, gold)

@@ -30,7 +30,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -40,9 +39,9 @@ from duolm.data.tasks import Question, read_squad
 from duolm.data.token_tasks import span_features
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.train.finetune import predict
+from conftest import qa_reference
 from test_finetune import minilm_dir
 
-REFERENCE = Path(sys.prefix) / "qa-reference"
 MAX_LENGTH, STRIDE, N_BEST, MAX_ANSWER = 384, 128, 20, 30
 PARAMS = dict(max_seq_len=MAX_LENGTH, max_question_len=64, max_answer_len=MAX_ANSWER, top_k=1, align_to_words=False)
 
@@ -78,9 +77,7 @@ def squad(data_dir):
 
 
 def reference_python() -> list[str]:
-    if not (REFERENCE / "transformers").is_dir():
-        pytest.fail(f"{REFERENCE} has no transformers: `make install` puts the question-answering reference "
-                    f"(transformers 4) there")
+    qa_reference()
     return [sys.executable, "-c", PIPELINE]
 
 
@@ -174,7 +171,7 @@ def test_answers_equal_the_question_answering_pipeline(minilm, squad, tmp_path, 
     job = {"model": str(save(model, tmp_path / "hf", tokenizer=tok, format="hf")), "params": PARAMS,
            "pairs": [(q, c, r - STRIDE) for (q, c), r in zip(pairs, room)]}
     (tmp_path / "job.json").write_text(json.dumps(job), encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": str(REFERENCE), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(qa_reference()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with subprocess.Popen(cmd + ["job.json", "ref.json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True) as proc:
         try:
