@@ -172,6 +172,9 @@ def test_read_pooling(tmp_path):
     (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_max_tokens": True}))
     with pytest.raises(ValueError, match="1_Pooling.config.json: pooling \\['max_tokens'\\] is not supported"):
         read_pooling(tmp_path)
+    (tmp_path / "modules.json").write_text('{"0": "Transformer"}')               # an object, not the module list
+    with pytest.raises(ValueError, match=r"modules\.json: expected a JSON array, got dict"):
+        read_pooling(tmp_path)
 
 
 def test_imports():

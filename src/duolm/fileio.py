@@ -59,8 +59,9 @@ def write_json(path, obj, indent: int = 2) -> Path:
     return write_text(path, json.dumps(obj, indent=indent, ensure_ascii=False) + "\n")
 
 
-def read_json(path, what: str = "file") -> dict:
-    """A JSON object from `path`; every error names the file (and, for bad JSON, line and column).
+def read_json(path, what: str = "file", kind: type = dict):
+    """A JSON object (or, with kind=list, an array) from `path`; every error names the file (and, for bad JSON,
+    line and column).
 
     `what` says what the file is for in the missing-file message, e.g. "model config"."""
     path = Path(path)
@@ -73,6 +74,6 @@ def read_json(path, what: str = "file") -> dict:
         raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    if not isinstance(obj, kind):
+        raise ValueError(f"{path}: expected a JSON {'object' if kind is dict else 'array'}, got {type(obj).__name__}")
     return obj

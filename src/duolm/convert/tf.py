@@ -20,7 +20,6 @@ checked against the config (hparams.json / bert_config.json).
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -32,6 +31,7 @@ import torch
 
 from duolm.convert.crc32c import crc32c, unmask
 from duolm.convert.hf import _expand, _meta_state, bert_config_from_hf
+from duolm.fileio import read_json
 from duolm.models.bert import Bert, BertConfig, BertForPreTraining
 from duolm.models.gpt2 import GPT2, GPT2Config
 
@@ -388,16 +388,6 @@ def is_tf_dir(directory) -> bool:
     return ((d / "hparams.json").is_file() or (d / "bert_config.json").is_file()) and any(d.glob("*.index"))
 
 
-def _read_json(file: Path) -> dict:
-    try:
-        obj = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{file}: expected a JSON object")
-    return obj
-
-
 HPARAMS = {"n_vocab": "vocab_size", "n_ctx": "block_size", "n_embd": "n_embd", "n_head": "n_head",
            "n_layer": "n_layer"}
 
@@ -414,7 +404,7 @@ def gpt2_from_tf(directory) -> tuple[GPT2Config, dict]:
     """OpenAI's release folder (hparams.json + model.ckpt.*) -> (GPT2Config, our state dict)."""
     d = Path(directory)
     try:
-        config = gpt2_config_from_hparams(_read_json(d / "hparams.json"))
+        config = gpt2_config_from_hparams(read_json(d / "hparams.json"))
     except (ValueError, TypeError) as e:
         raise ValueError(f"{d / 'hparams.json'}: {e}") from None
     prefix = find_prefix(d)
@@ -430,7 +420,7 @@ def bert_from_tf(directory) -> tuple[BertConfig, dict, bool]:
     BertForPreTraining's (bert.*, mlm.*, nsp.*), else Bert's."""
     d = Path(directory)
     try:
-        config = bert_config_from_hf({**_read_json(d / "bert_config.json"), "model_type": "bert"})
+        config = bert_config_from_hf({**read_json(d / "bert_config.json"), "model_type": "bert"})
     except (ValueError, TypeError) as e:
         raise ValueError(f"{d / 'bert_config.json'}: {e}") from None
     prefix = find_prefix(d)

@@ -8,7 +8,6 @@ shape and a route; nothing here changes.
 """
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
@@ -49,7 +48,7 @@ def read_pooling(model_dir) -> Pooling:
     d = Path(model_dir)
     pooling_file, normalize = d / ST_POOLING, True
     if (d / ST_MODULES).is_file():
-        modules = _read_list(d / ST_MODULES)
+        modules = read_json(d / ST_MODULES, kind=list)
         types = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
         if "Pooling" in types:
             pooling_file = d / types["Pooling"] / "config.json"
@@ -66,17 +65,6 @@ def read_pooling(model_dir) -> Pooling:
     if (d / ST_CONFIG).is_file():
         max_length = read_json(d / ST_CONFIG).get("max_seq_length")
     return Pooling(mode, normalize, max_length, str(pooling_file.relative_to(d)))
-
-
-def _read_list(file: Path) -> list:
-    """modules.json is a JSON list (fileio.read_json reads objects)."""
-    try:
-        out = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file}: not valid JSON ({e})") from None
-    if not isinstance(out, list):
-        raise ValueError(f"{file}: expected a list of modules")
-    return out
 
 
 def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
