@@ -5,7 +5,6 @@ The fixtures (tests/fixtures/tf/) were written once by real TensorFlow with the 
 and shapes; make_fixtures.py there says how. TensorFlow is not needed here."""
 import json
 import shutil
-import time
 from pathlib import Path
 
 import numpy as np
@@ -337,8 +336,7 @@ def test_folder_with_two_checkpoints_uses_the_checkpoint_file(copy):
 def test_mutation_fuzz_gives_only_clear_errors(tmp_path):
     import tf_fuzz
 
-    start = time.perf_counter()
-    stats = tf_fuzz.run(cases=300, seed=1234, workdir=tmp_path, time_budget=25.0)
-    assert stats["cases"] >= 50, f"only {stats['cases']} cases in {time.perf_counter() - start:.0f} s"
+    stats = tf_fuzz.run(cases=100, seed=1234, workdir=tmp_path)
+    assert stats["cases"] == 100
     assert stats["failures"] == []
     assert stats["errors"] > 0
