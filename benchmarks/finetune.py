@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 # benchmarks/tokenizers.py would shadow the `tokenizers` package that transformers imports
@@ -43,13 +44,21 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 import torch
 
 from duolm.checkpoint import load, save
-from duolm.data.tasks import load_glue, read_squad
 from duolm.models.heads import HeadConfig, attach_head
-from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict
+from duolm.tasks import Files, TaskOptions, load_finetuned, predict
+from duolm.tasks.sentence import load_glue
+from duolm.tasks.span import read_squad
+from duolm.train.finetune import FINETUNE_LOOP, FinetuneConfig, finetune
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 QA_REFERENCE = Path(sys.prefix) / "qa-reference"
 RECIPE = dict(lr=2e-5, batch_size=32, epochs=1, warmup=0.1, weight_decay=0.01, max_length=128)
+
+
+def recipe(lr=RECIPE["lr"]) -> FinetuneConfig:
+    loop = replace(FINETUNE_LOOP, batch_size=RECIPE["batch_size"], weight_decay=RECIPE["weight_decay"])
+    return FinetuneConfig(loop=loop, inputs=TaskOptions(max_length=RECIPE["max_length"]), lr=lr,
+                          epochs=RECIPE["epochs"], warmup=RECIPE["warmup"])
 
 
 def minilm_dir() -> Path:
@@ -68,7 +77,7 @@ def write_task(rows, folder: Path, n_train: int, n_dev: int) -> Path:
 
 def ours_finetune(model_dir, task_dir, run_dir) -> float:
     t = {}
-    finetune(model_dir, "sst2", run_dir, FinetuneConfig(**RECIPE), data=task_dir, device="cpu",
+    finetune(model_dir, "sst2", run_dir, recipe(), Files(data=task_dir), device="cpu",
              on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
     t0, n = t["start"]
     return n / (time.perf_counter() - t0)
@@ -99,7 +108,7 @@ def theirs_finetune(model_dir, task_dir, run_dir) -> float:
 
 
 def write_conll(folder: Path, n_train: int, n_dev: int) -> Path:
-    from duolm.data.tasks import read_conll
+    from duolm.tasks.tagging import read_conll
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, n in (("eng.train", n_train), ("eng.testa", n_dev)):
@@ -111,7 +120,8 @@ def write_conll(folder: Path, n_train: int, n_dev: int) -> Path:
 
 def ours_ner(model_dir, task_dir, run_dir) -> float:
     t = {}
-    finetune(model_dir, "conll2003", run_dir, FinetuneConfig(**{**RECIPE, "lr": 5e-5}), data=task_dir, device="cpu",
+    finetune(model_dir, "conll2003", run_dir, recipe(5e-5), Files(data=task_dir),
+             device="cpu",
              on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
     t0, n = t["start"]
     return n / (time.perf_counter() - t0)
@@ -119,7 +129,7 @@ def ours_ner(model_dir, task_dir, run_dir) -> float:
 
 def theirs_ner(model_dir, task_dir, run_dir) -> float:
     import transformers
-    from duolm.data.tasks import read_conll
+    from duolm.tasks.tagging import read_conll
 
     tok = transformers.BertTokenizerFast.from_pretrained(model_dir)
     train, dev = read_conll(task_dir / "eng.train"), read_conll(task_dir / "eng.testa")
@@ -166,7 +176,7 @@ def bench_ner(args, mdir, tmp: Path):
     model, tok = load_finetuned(tmp / "ner-ours0")
     pipe = transformers.pipeline("token-classification", model=str(save(model, tmp / "ner-hf", tokenizer=tok, format="hf")),
                                  aggregation_strategy="first", device="cpu")
-    from duolm.data.tasks import read_conll
+    from duolm.tasks.tagging import read_conll
     texts = [" ".join(s.words) for s in read_conll(DATA / "conll2003" / "eng.testa")[:args.predict]]
 
     def timed(fn):

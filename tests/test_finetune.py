@@ -1,5 +1,5 @@
 """Fine-tuning: heads against transformers (same losses, step by step), task readers and their errors,
-features and batches, finetune() / predict() / evaluate_task(), export, the CLI.
+features and batches, finetune() / predict() / evaluate(), export, the CLI.
 
 The real checkpoint all-MiniLM-L6-v2 (installed by `make test`) plays BERT; GPT-2 is a tiny random model
 saved in HF format. Every training here is a few steps on a few real GLUE rows."""
@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from duolm.checkpoint import load, save
-from duolm.data.features import TaskBatches, encode_examples
-from duolm.data.tasks import load_glue
+from duolm.tasks import TaskBatches
+from duolm.tasks.sentence import encode_examples, load_glue
 from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.tokenizers import ByteLevelBPE
 from duolm.train import TrainConfig, lr_at, train
-from duolm.train.sentence_tasks import sequence_objective
+from duolm.tasks.sentence import sequence_objective
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,9 +144,10 @@ def test_gpt_head_with_lm_loss_trains_as_transformers(tiny_gpt2_dir, data_dir, o
 
 # --- readers: GLUE layout, user files, and their errors ------------------------------------------------
 
-from duolm.data.features import Features, collate, eval_batches, truncate_pair  # noqa: E402
-from duolm.data.tasks import (GLUE, Example, holdout, label_space, load_user, read_examples,  # noqa: E402
-                              write_submission)
+from duolm.tasks.base import eval_batches, holdout  # noqa: E402
+from duolm.tasks.glue import GLUE  # noqa: E402
+from duolm.tasks.sentence import (Example, Features, label_space, load_user, read_examples, truncate_pair,  # noqa: E402
+                                  write_submission)
 
 
 def test_glue_train_files_read_as_published(data_dir):
@@ -175,20 +176,19 @@ def test_glue_holdout_is_the_end_of_train(data_dir):
 
 
 def test_max_train_examples_keeps_the_first_after_the_holdout(minilm, data_dir):
-    from duolm.train import sentence_tasks, token_tasks
-    from duolm.train.finetune import FinetuneConfig
+    from duolm.tasks import Files, TaskOptions, prepare
+    from duolm.tasks.sentence import encode
     tok = minilm[1]
-    cfg = FinetuneConfig(dev_fraction=0.1, max_train_examples=100).resolved("bert")
-    task = sentence_tasks.prepare("rte", tok, "bert", cfg, 512, data=data_dir / "glue" / "RTE")
-    assert task["info"]["train"] == 100 and task["info"]["dev"] == {"dev": 249}   # the dev set is untouched
-    assert "trained on the first 100 of 2241 training examples" in task["info"]["notes"]
+    task = prepare("rte", tok, "bert", TaskOptions(dev_fraction=0.1, max_train_examples=100),
+                   Files(data=data_dir / "glue" / "RTE"), 512)
+    assert task.info["train"] == 100 and task.info["dev"] == {"dev": 249}   # the dev set is untouched
+    assert "trained on the first 100 of 2241 training examples" in task.info["notes"]
     first = load_glue("rte", data_dir / "glue" / "RTE", splits=("train",)).train[0]
-    assert task["train"].ids[0] == sentence_tasks.encode([first], tok, task["head"]).ids[0]
-    cfg = FinetuneConfig(max_train_examples=50).resolved("bert", "tag")
-    ner = token_tasks.prepare("conll2003", tok, "bert", cfg, 512, data=data_dir / "conll2003")
-    assert ner["info"]["train"] == 50 and "trained on the first 50 of 14041 training sentences" in ner["info"]["notes"]
+    assert task.train.ids[0] == encode([first], tok, task.head).ids[0]
+    ner = prepare("conll2003", tok, "bert", TaskOptions(max_train_examples=50), Files(data=data_dir / "conll2003"), 512)
+    assert ner.info["train"] == 50 and "trained on the first 50 of 14041 training sentences" in ner.info["notes"]
     with pytest.raises(ValueError, match="max_train_examples=-1 must be >= 0"):
-        FinetuneConfig(max_train_examples=-1)
+        TaskOptions(max_train_examples=-1)
 
 
 def _write(path, text):
@@ -288,7 +288,7 @@ def test_gpt_pairs_delimited_by_end_of_text_in_one_or_both_orders():
     cut = encode_examples(ex, tok, 7, ["0", "1"])
     n_a, n_b = truncate_pair(len(a), len(b), 6)
     assert cut.ids == [a[:n_a] + [eot] + b[:n_b]] and len(cut.ids[0]) == 7 and cut.truncated == 1
-    batch = collate(both, [0])
+    batch = both.collate([0])
     assert batch["idx"].shape[:2] == (1, 2) and batch["last"].tolist() == [[len(a) + len(b), len(a) + len(b)]]
     y = batch["y"][0, 0]
     assert y[:-1].tolist() == (a + [eot] + b)[1:] and y[-1] == -100
@@ -331,7 +331,7 @@ def test_length_grouping_spends_compute_on_tokens():
     padded = sum(grouped.batch(s, 16)["idx"].numel() for s in range(125))
     g = torch.Generator().manual_seed(0)
     perm = torch.randperm(2000, generator=g).tolist()
-    random_padded = sum(collate(feats, perm[i:i + 16])["idx"].numel() for i in range(0, 2000, 16))
+    random_padded = sum(feats.collate(perm[i:i + 16])["idx"].numel() for i in range(0, 2000, 16))
     assert real / padded > 0.9 and real / random_padded < 0.7
 
 
@@ -350,7 +350,7 @@ def test_padding_never_changes_a_result(family, tiny_bert_dir, tiny_gpt2_dir, da
         return out if family == "bert" else out[0]
 
     with torch.no_grad():
-        alone = torch.cat([logits(collate(feats, [i])) for i in range(len(rows))])
+        alone = torch.cat([logits(feats.collate([i])) for i in range(len(rows))])
         together = torch.empty_like(alone)
         for index, batch in eval_batches(feats, 5):
             together[index] = logits(batch)
@@ -409,14 +409,25 @@ def test_head_models_round_trip_through_transformers(family, kind, cls, tiny_ber
     assert isinstance(model, (BertForSequence, BertForTokens, BertForSpans, GPT2ForSequence))
 
 
-# --- finetune() / predict() / evaluate_task() ----------------------------------------------------------
+# --- finetune() / predict() / evaluate() ---------------------------------------------------------------
 
 import json  # noqa: E402
 import statistics  # noqa: E402
 
-from duolm.data.tasks import load_task  # noqa: E402
-from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict, summarize  # noqa: E402
-from duolm.train.sentence_tasks import evaluate_task, write_glue_predictions  # noqa: E402
+from duolm.tasks import Files, TaskOptions, evaluate, load_finetuned, predict  # noqa: E402
+from duolm.tasks.sentence import write_glue_predictions  # noqa: E402
+from duolm.train.finetune import FINETUNE_LOOP, FinetuneConfig, finetune, summarize  # noqa: E402
+
+
+def ft_config(**kw) -> FinetuneConfig:
+    """A FinetuneConfig from flat fields, as the CLI's flags give them: the loop's and the inputs' go to
+    config.loop and config.inputs."""
+    loop = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    inputs = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(TaskOptions)}}
+    return FinetuneConfig(loop=dataclasses.replace(FINETUNE_LOOP, **loop), inputs=TaskOptions(**inputs), **kw)
+
+
+SST2_COLUMNS = dict(text_column="review", label_column="sentiment")
 
 
 @pytest.fixture(scope="module")
@@ -432,10 +443,10 @@ def sst2_csv(data_dir, tmp_path_factory):
 
 
 def test_finetune_seeds_results_and_best_model(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=32, seeds=2, dropout=0.0)
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=32, seeds=2, dropout=0.0)
     started, rows = [], []
-    res = finetune(tiny_bert_dir, "classify", tmp_path / "run", cfg, train_file=sst2_csv / "train.csv",
-                   dev_file=sst2_csv / "dev.csv", text_column="review", label_column="sentiment",
+    res = finetune(tiny_bert_dir, "classify", tmp_path / "run", cfg,
+                   Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS),
                    on_start=started.append, on_log=rows.append)
     info = started[0]
     assert info["labels"] == ["neg", "pos"] and info["train"] == 96 and info["dev"] == {"dev": 40}
@@ -455,26 +466,24 @@ def test_finetune_seeds_results_and_best_model(tiny_bert_dir, sst2_csv, tmp_path
 
     model, tok = load_finetuned(tmp_path / "run")                            # run/best: the best seed's best epoch
     assert model.head.labels == ["neg", "pos"] and model.head.task == "classify"
-    dev = load_task("classify", dev=sst2_csv / "dev.csv", text="review", label="sentiment", splits=("dev",),
-                    kind="classify", labels=["neg", "pos"])
-    assert evaluate_task(model, tok, dev) == pytest.approx(res["best"]["metrics"], abs=1e-6)
+    dev = Files(dev=sst2_csv / "dev.csv", **SST2_COLUMNS)
+    assert evaluate(model, tok, dev)[0] == pytest.approx(res["best"]["metrics"], abs=1e-6)
     out = predict(model, tok, ["a gripping , well-acted film", "dull and lifeless " * 30])
     assert {o["label"] for o in out} <= {"neg", "pos"} and "truncated" not in out[0] and out[1]["truncated"]
     assert sum(out[0]["probabilities"].values()) == pytest.approx(1.0)
 
 
 def test_finetune_resumes_exactly(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=24)
-    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
-              label_column="sentiment")
-    whole = finetune(tiny_bert_dir, "classify", tmp_path / "a", cfg, **kw)
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=24)
+    files = Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS)
+    whole = finetune(tiny_bert_dir, "classify", tmp_path / "a", cfg, files)
 
     def killed(row):
         if row["step"] == 8:
             raise KeyboardInterrupt                                          # after the epoch-1 checkpoint (6)
     with pytest.raises(KeyboardInterrupt):
-        finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, on_log=killed, **kw)
-    resumed = finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, resume=True, **kw)
+        finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, files, on_log=killed)
+    resumed = finetune(tiny_bert_dir, "classify", tmp_path / "b", cfg, files, resume=True)
     assert resumed["runs"][0]["metrics"] == whole["runs"][0]["metrics"]
     a, b = (load(tmp_path / d)[0].state_dict() for d in ("a", "b"))
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -484,17 +493,16 @@ def test_sigterm_stops_every_run_and_resume_finishes(tiny_bert_dir, sst2_csv, tm
     import os
     import signal
 
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=1, max_length=16, seeds=2)
-    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
-              label_column="sentiment")
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=1, max_length=16, seeds=2)
+    files = Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS)
 
     def term(row):
         if row["step"] == 2:
             os.kill(os.getpid(), signal.SIGTERM)          # train() finishes the step, saves, returns
     with pytest.raises(InterruptedError, match=r"stopped by SIGTERM at step 2 of .*seed-0 \(saved; --resume"):
-        finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, on_log=term, **kw)
+        finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, files, on_log=term)
     assert not (tmp_path / "r" / "seed-1").exists()         # the next seed never started
-    res = finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, resume=True, **kw)
+    res = finetune(tiny_bert_dir, "classify", tmp_path / "r", cfg, files, resume=True)
     assert [r["step"] for r in res["runs"]] == [6, 6]
 
 
@@ -504,9 +512,9 @@ def test_gpt_finetune_with_lm_loss_and_both_orders(tiny_gpt2_dir, data_dir, tmp_
     head = "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
     lines = (data_dir / "glue" / "STS-B" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:81]
     _write(d / "train.tsv", head + "\n".join(lines) + "\n")
-    cfg = FinetuneConfig(batch_size=8, epochs=1, max_length=40, both_orders=True, dev_fraction=0.2)
+    cfg = ft_config(batch_size=8, epochs=1, max_length=40, both_orders=True, dev_fraction=0.2)
     rows = []
-    res = finetune(tiny_gpt2_dir, "stsb", tmp_path / "run", cfg, data=d, on_log=rows.append)
+    res = finetune(tiny_gpt2_dir, "stsb", tmp_path / "run", cfg, Files(data=d), on_log=rows.append)
     assert res["config"]["lr"] == 6.25e-5 and res["config"]["lm_coef"] == 0.5     # GPT-1's recipe
     assert res["metric"] == "spearman" and set(res["mean"]) == {"spearman", "pearson", "loss"}
     assert "last 16 examples of train.tsv" in res["notes"][0]
@@ -526,14 +534,14 @@ def test_wrong_model_for_the_job_says_so(tiny_bert_dir, sst2_csv, tmp_path, mini
     clf = save(attach_head(load(tiny_bert_dir)[0], HeadConfig("classify", ["a", "b"])), tmp_path / "clf",
                tokenizer=minilm[1])
     with pytest.raises(ValueError, match="is already fine-tuned"):
-        finetune(clf, "classify", tmp_path / "r", train_file=sst2_csv / "train.csv")
+        finetune(clf, "classify", tmp_path / "r", files=Files(train=sst2_csv / "train.csv"))
     with pytest.raises(ValueError, match="both_orders is GPT's way"):
-        finetune(tiny_bert_dir, "classify", tmp_path / "r", FinetuneConfig(both_orders=True),
-                 train_file=sst2_csv / "train.csv")
+        finetune(tiny_bert_dir, "classify", tmp_path / "r", ft_config(both_orders=True),
+                 Files(train=sst2_csv / "train.csv"))
     model, tok = load(clf)
     with pytest.raises(ValueError, match=r"the model predicts classify \['a', 'b'\].*the data is classify"):
-        evaluate_task(model, tok, load_task("classify", train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv",
-                                            text="review", label="sentiment"))
+        evaluate(model, tok, Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS),
+                 split="train")
 
 
 def test_glue_submission_files(tiny_bert_dir, mnli_dir, tmp_path):
@@ -541,8 +549,7 @@ def test_glue_submission_files(tiny_bert_dir, mnli_dir, tmp_path):
     model, tok = load(tiny_bert_dir)
     labels = ["contradiction", "entailment", "neutral"]
     clf = attach_head(model, HeadConfig("classify", labels, task="mnli"))
-    data = load_glue("mnli", mnli_dir, splits=("test",))
-    files = write_glue_predictions(clf, tok, data, tmp_path / "sub")
+    files = write_glue_predictions(clf, tok, mnli_dir, tmp_path / "sub")
     assert [f.name for f in files] == ["MNLI-m.tsv", "MNLI-mm.tsv"]
     lines = files[0].read_text().splitlines()
     assert lines[0] == "index\tprediction" and [x.split("\t")[0] for x in lines[1:]] == ["0", "1"]
@@ -609,7 +616,7 @@ def test_glue_suite_and_the_papers_table(tiny_bert_dir, data_dir, tmp_path, one_
 
     lines = (data_dir / "glue" / "RTE" / "train.tsv").read_text(encoding="utf-8").splitlines()[:41]
     _write(tmp_path / "GLUE" / "RTE" / "train.tsv", "\n".join(lines) + "\n")
-    cfg = FinetuneConfig(batch_size=8, epochs=1, max_length=32, dev_fraction=0.2)
+    cfg = ft_config(batch_size=8, epochs=1, max_length=32, dev_fraction=0.2)
     res = finetune_glue(tiny_bert_dir, tmp_path / "GLUE", tmp_path / "runs", cfg)
     assert list(res) == ["rte"] and (tmp_path / "runs" / "rte" / "results.json").is_file()
     table = (tmp_path / "runs" / "glue.md").read_text().splitlines()
@@ -624,11 +631,10 @@ def test_glue_suite_and_the_papers_table(tiny_bert_dir, data_dir, tmp_path, one_
 
 
 def test_seeds_in_parallel_processes_give_the_same_runs(tiny_bert_dir, sst2_csv, tmp_path):
-    kw = dict(train_file=sst2_csv / "train.csv", dev_file=sst2_csv / "dev.csv", text_column="review",
-              label_column="sentiment")
-    cfg = FinetuneConfig(lr=1e-3, batch_size=32, epochs=1, max_length=16, seeds=2)
-    one = finetune(tiny_bert_dir, "classify", tmp_path / "one", cfg, **kw)
-    two = finetune(tiny_bert_dir, "classify", tmp_path / "two", dataclasses.replace(cfg, jobs=2), **kw)
+    files = Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS)
+    cfg = ft_config(lr=1e-3, batch_size=32, epochs=1, max_length=16, seeds=2)
+    one = finetune(tiny_bert_dir, "classify", tmp_path / "one", cfg, files)
+    two = finetune(tiny_bert_dir, "classify", tmp_path / "two", dataclasses.replace(cfg, jobs=2), files)
     assert [r["seed"] for r in two["runs"]] == [0, 1] and (tmp_path / "two" / "seed-1" / "best").is_dir()
     for a, b in zip(one["runs"], two["runs"]):
         assert b["metrics"] == pytest.approx(a["metrics"], abs=1e-5) and a["step"] == b["step"]

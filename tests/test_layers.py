@@ -13,13 +13,13 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # top-level part of duolm -> layer (DESIGN's layers, numbered finer: cli wires the demo and the server)
 LAYERS = {
-    "duolm.fileio": 0,
-    "duolm.tokenizers": 1, "duolm.models": 1, "duolm.runs": 1, "duolm.hub": 1,
+    "duolm.fileio": 0, "duolm.config": 0, "duolm.metrics": 0,
+    "duolm.tokenizers": 1, "duolm.models": 1, "duolm.runs": 1, "duolm.hub": 1, "duolm.objectives": 1,
     "duolm.convert": 2, "duolm.data": 2, "duolm.generation": 2, "duolm.decoding": 2,
     "duolm.checkpoint": 3, "duolm.textgen": 3,
-    "duolm.train": 4, "duolm.evaluation": 4,
-    "duolm.evaluation.metrics": 1,          # pure functions of lists: fine-tuning (train) and evaluation both score with them
-    "duolm.demo": 5, "duolm.serve": 5, "duolm.cli": 6, "duolm.__main__": 7,
+    "duolm.tasks": 4, "duolm.evaluation": 4,
+    "duolm.train": 5,
+    "duolm.demo": 6, "duolm.serve": 6, "duolm.cli": 7, "duolm.__main__": 8,
 }
 REFERENCES = ["transformers", "tokenizers", "tiktoken", "sentence_transformers", "sklearn", "seqeval", "openai"]
 
@@ -127,3 +127,34 @@ def test_package_never_imports_the_references():
     names = [m for m in _modules() if not m.startswith("duolm.serve") and m != "duolm.__main__"]
     loaded = _loaded_after("import sys, importlib\n" + "\n".join(f"importlib.import_module({m!r})" for m in names))
     assert [r for r in REFERENCES if r in loaded] == []
+
+
+def _closure(start: set[str]) -> set[str]:
+    """Every duolm module that `start` imports, directly or through other modules (packages' __init__ included)."""
+    modules, seen, todo = _modules(), set(), list(start)
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules:
+            continue
+        seen.add(m)
+        todo += _imports(m, modules[m]) | ({m.rpartition(".")[0]} if "." in m else set())
+    return seen
+
+
+def _function_imports(path: Path, names: set[str]) -> set[str]:
+    """duolm modules imported inside the named functions of a file."""
+    found = set()
+    for fn in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(fn, ast.FunctionDef) and fn.name in names:
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom):
+                    found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in found if m in _modules()}
+
+
+def test_serving_prediction_and_evaluation_need_no_training_code():
+    serve = {m for m in _modules() if m.startswith("duolm.serve")}
+    cli = _function_imports(SRC / "duolm" / "cli" / "tasks.py", {"cmd_predict", "cmd_evaluate"})
+    assert cli and serve
+    assert sorted(m for m in _closure(serve | cli) if m.startswith("duolm.train")) == []
+    assert "duolm.train.finetune" in _closure(_function_imports(SRC / "duolm" / "cli" / "tasks.py", {"cmd_finetune"}))

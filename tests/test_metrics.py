@@ -13,8 +13,8 @@ import warnings
 
 import pytest
 
-from duolm.evaluation import metrics
-from duolm.evaluation.metrics import accuracy, f1, matthews, pearson, ranks, spearman
+from duolm import metrics
+from duolm.metrics import accuracy, f1, matthews, pearson, ranks, spearman
 
 sklearn_metrics = pytest.importorskip("sklearn.metrics")
 stats = pytest.importorskip("scipy.stats")
@@ -77,7 +77,7 @@ def test_correlations_equal_scipy_with_ties():
 
 # --- entities: equal to seqeval in its default (conlleval) mode ------------------------------------------
 
-from duolm.evaluation.metrics import (entities, entity_scores, invalid_starts, normalize_answer,  # noqa: E402
+from duolm.metrics import (entities, entity_scores, invalid_starts, normalize_answer,  # noqa: E402
                                       squad_exact, squad_f1, squad_scores)
 
 
@@ -161,7 +161,7 @@ def test_squad_normalisation_rules():
 
 
 def test_squad_v2_worked_examples():
-    from duolm.evaluation.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
+    from duolm.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
     assert squad_question_scores({"a": "Denver Broncos", "b": ""}, {"a": ["Broncos"], "b": []}) == \
         {"a": (0.0, pytest.approx(2 / 3)), "b": (1.0, 1.0)}
     assert squad_question_scores({"b": "the"}, {"b": []}) == {"b": (1.0, 1.0)}     # "" after normalising
@@ -198,7 +198,7 @@ def test_squad_v2_equals_the_official_script():
     official v2.0 script's functions as transformers 4.57 ships them (squad_metrics), on random cases with
     no-answer questions, empty predictions, gold texts that normalize to nothing and tied odds."""
     from conftest import qa_reference
-    from duolm.evaluation.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
+    from duolm.metrics import squad_null_threshold, squad_question_scores, squad_v2_scores
     words = ["the", "a", "Denver", "Broncos", "won", "Super", "Bowl", "50", "!", "an", "Levi's", "Stadium"]
     rng = random.Random(0)
     phrase = lambda: " ".join(rng.choice(words) for _ in range(rng.randint(1, 4)))          # noqa: E731

@@ -35,10 +35,9 @@ import pytest
 import torch
 
 from duolm.checkpoint import load, save
-from duolm.data.tasks import Question, read_squad
-from duolm.data.token_tasks import span_features
 from duolm.models.heads import HeadConfig, attach_head
-from duolm.train.finetune import predict
+from duolm.tasks import predict
+from duolm.tasks.span import Question, read_squad, span_features
 from conftest import qa_reference
 from test_finetune import minilm_dir
 

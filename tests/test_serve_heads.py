@@ -19,7 +19,7 @@ from duolm.models.bert import BertConfig  # noqa: E402
 from duolm.models.heads import HeadConfig, head_model  # noqa: E402
 from duolm.serve import ServeConfig  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402
-from duolm.train.finetune import load_finetuned, predict  # noqa: E402
+from duolm.tasks import load_finetuned, predict  # noqa: E402
 
 HEADS = {"classify": HeadConfig("classify", ["negative", "positive", "neutral"], task="mine", max_length=16),
          "regress": HeadConfig("regress", task="stsb", max_length=32),

@@ -8,13 +8,12 @@ import pytest
 import torch
 
 from duolm.checkpoint import load
-from duolm.data.features import TaskBatches
-from duolm.data.tasks import Sentence, read_conll, read_squad, tag_scheme
-from duolm.data.token_tasks import (IGNORE, SpanFeatures, collate_spans, collate_tags, max_context, span_features,
-                                    tag_features, windows, word_pieces)
 from duolm.models.heads import HeadConfig, attach_head
+from duolm.objectives import IGNORE
+from duolm.tasks import TaskBatches, span, tagging
+from duolm.tasks.span import SpanFeatures, max_context, read_squad, span_features, windows
+from duolm.tasks.tagging import Sentence, read_conll, tag_features, tag_scheme, word_pieces
 from duolm.train import TrainConfig, train
-from duolm.train.token_tasks import token_objective
 from test_finetune import _reference_losses, minilm_dir
 
 transformers = pytest.importorskip("transformers")
@@ -49,8 +48,8 @@ def test_tagger_trains_as_transformers(minilm, conll, one_thread):
     with torch.no_grad():
         hf.classifier.weight.copy_(ours.fc.weight)
         hf.classifier.bias.copy_(ours.fc.bias)
-    batches = TaskBatches(tag_features(conll[:200], tok, labels, max_length=32), seed=0, collate_fn=collate_tags)
-    got = [r["loss"] for r in train(ours, token_objective("tag"), batches, STEPS)["rows"]]
+    batches = TaskBatches(tag_features(conll[:200], tok, labels, max_length=32), seed=0)
+    got = [r["loss"] for r in train(ours, tagging.objective("bert", ours.head), batches, STEPS)["rows"]]
     hf.train()
     ref = _reference_losses(STEPS, batches, hf, lambda b: hf(
         input_ids=b["idx"], attention_mask=b["attention_mask"], token_type_ids=b["segment_ids"], labels=b["labels"]).loss)
@@ -77,8 +76,8 @@ def test_span_head_trains_as_transformers(minilm, squad, one_thread):
         hf.qa_outputs.bias.copy_(ours.fc.bias)
     feats = _full_windows(span_features(squad[:300], tok, max_length=48, stride=16), 48)
     assert len(feats) >= 100
-    batches = TaskBatches(feats, seed=0, collate_fn=collate_spans)
-    got = [r["loss"] for r in train(ours, token_objective("span"), batches, STEPS)["rows"]]
+    batches = TaskBatches(feats, seed=0)
+    got = [r["loss"] for r in train(ours, span.objective("bert", ours.head), batches, STEPS)["rows"]]
     hf.train()
     ref = _reference_losses(STEPS, batches, hf, lambda b: hf(
         input_ids=b["idx"], attention_mask=b["attention_mask"], token_type_ids=b["segment_ids"],
@@ -219,9 +218,9 @@ def test_span_features_find_the_answers(minilm, squad):
 
 import json  # noqa: E402
 
-from duolm.train import token_tasks  # noqa: E402
-from duolm.train.finetune import FinetuneConfig, finetune, load_finetuned, predict  # noqa: E402
-from test_finetune import tiny_bert_dir  # noqa: E402,F401
+from duolm.tasks import Files, evaluate, load_finetuned, predict  # noqa: E402
+from duolm.train.finetune import finetune  # noqa: E402
+from test_finetune import ft_config, tiny_bert_dir  # noqa: E402,F401
 
 
 @pytest.fixture(scope="module")
@@ -235,14 +234,14 @@ def conll_dir(data_dir, tmp_path_factory):
 
 
 def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread):
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
-    res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, data=conll_dir)
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
+    res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, Files(data=conll_dir))
     assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
     assert set(res["labels"]) >= {"I-PER", "I-LOC", "I-ORG", "I-MISC", "O"} and res["notes"][-1] == "tag scheme IOB1"
     assert set(res["mean"]) == {"f1", "precision", "recall"} and res["config"]["lr"] == 1e-3
     model, tok = load_finetuned(tmp_path / "ner")
     dev = read_conll(conll_dir / "eng.testa")
-    got = token_tasks.tag_scores(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
+    got = tagging.score(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
     assert got["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
     (ents,) = predict(model, tok, ["Angela Merkel visited Paris on Monday."])
     text = "Angela Merkel visited Paris on Monday."
@@ -253,7 +252,7 @@ def test_predicted_entities_are_conlleval_chunks_of_words(minilm):
     """The words and character spans predict() works with: BERT's split of the text, chunks by conlleval."""
     _, tok = minilm
     text = "Angela  Merkel's visit (to Paris-Nord) on Monday."
-    spans = token_tasks._words(tok, text)
+    spans = tagging._words(tok, text)
     assert [text[a:b] for a, b in spans] == ["Angela", "Merkel", "'", "s", "visit", "(", "to", "Paris", "-", "Nord",
                                              ")", "on", "Monday", "."]
 
@@ -263,8 +262,8 @@ def test_squad_run_split_by_article(tiny_bert_dir, squad, tmp_path, one_thread):
     doc["data"] = [{**a, "paragraphs": a["paragraphs"][:2]} for a in doc["data"][:5]]
     small = tmp_path / "five.json"
     small.write_text(json.dumps(doc), encoding="utf-8")
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=1, max_length=96, stride=48, dev_fraction=0.2)
-    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, train_file=small)
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=1, max_length=96, stride=48, dev_fraction=0.2)
+    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, Files(train=small))
     assert res["kind"] == "span" and res["metric"] == "f1" and set(res["mean"]) == {"f1", "exact_match"}
     held = doc["data"][4]["title"]                                     # 20% of 5 articles: the last one
     assert res["notes"][0].startswith(f"articles {held} of ") and res["dev"] == {"dev": sum(
@@ -296,17 +295,17 @@ def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, cap
     impossible = [q for q in questions if q.impossible]
     assert impossible and all(q.answers == [] and q.id.endswith("-x") for q in impossible)
 
-    cfg = FinetuneConfig(lr=1e-3, batch_size=16, epochs=2, max_length=96, stride=48, dev_fraction=0.2)
-    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, train_file=v2)
+    cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=96, stride=48, dev_fraction=0.2)
+    res = finetune(tiny_bert_dir, "squad", tmp_path / "qa", cfg, Files(train=v2))
     train_no_answer = sum(q.impossible for q in questions if q.title != data[4]["title"])
     assert f"SQuAD v2.0: {train_no_answer} training questions without an answer" in " ".join(res["notes"])
     model, tok = load_finetuned(tmp_path / "qa")
     threshold = model.head.null_threshold
     assert isinstance(threshold, float)
     dev = [q for q in questions if q.title == data[4]["title"]]
-    scores = token_tasks.evaluate(model, tok, "squad", data=v2, dev_fraction=0.2)       # x 100, at the same threshold
+    scores, _ = evaluate(model, tok, Files(data=v2), dev_fraction=0.2)                 # x 100, at the same threshold
     assert scores == pytest.approx({k: 100 * v for k, v in res["best"]["metrics"].items()} | {"null_threshold": threshold})
-    raw = token_tasks.answer_questions(model, tok, dev)
+    raw = span.answer_questions(model, tok, dev)
     got = predict(model, tok, [(q.question, q.context) for q in dev])
     for q, g in zip(dev, got):
         empty = raw[q.id]["null_odds"] > threshold
@@ -325,7 +324,7 @@ def data_dir_path():
 
 
 def test_max_context_table_is_the_plain_rule():
-    from duolm.data.token_tasks import max_context_table
+    from duolm.tasks.span import max_context_table
     for n, room, stride in [(10, 4, 3), (300, 128, 128), (1000, 61, 17), (50, 50, 10), (7, 3, 1)]:
         spans = windows(n, room, stride)
         owner = max_context_table(spans, n)

@@ -119,7 +119,7 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return pearson(ranks(x), ranks(y))
 
 
-# The GLUE metrics by name, as tasks list them (duolm.data.tasks).
+# The GLUE metrics by name, as tasks list them (duolm.tasks.sentence).
 SEQUENCE_METRICS = {"accuracy": accuracy, "f1": f1, "matthews": matthews, "pearson": pearson, "spearman": spearman}
 
 

@@ -6,27 +6,52 @@ import dataclasses
 import typing
 
 
-def add_options(parser, cls) -> None:
-    """One --flag per field of dataclass `cls` (fields with metadata cli=False are left out)."""
+def _flagged(cls, default=None, pick=None):
+    """(name, type, default, metadata) of every field of dataclass `cls` that gets a flag: fields with metadata
+    cli=False are left out; a field holding a dataclass gives the flags of that dataclass's fields (those its
+    metadata "fields" names, with their help where given), defaulting to the field's default instance."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        meta = f.metadata
-        if not meta.get("cli", True):
+        meta = dict(f.metadata)
+        if not meta.get("cli", True) or (pick is not None and f.name not in pick):
             continue
-        flag = "--" + f.name.replace("_", "-")
+        if pick and pick[f.name]:
+            meta["help"] = pick[f.name]
+        value = getattr(default, f.name) if default is not None else f.default
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _flagged(hints[f.name], f.default_factory(), meta.get("fields"))
+            continue
         kind = next((t for t in typing.get_args(hints[f.name]) if t is not type(None)), hints[f.name])
+        yield f.name, kind, value, meta
+
+
+def add_options(parser, cls) -> None:
+    """One --flag per field of dataclass `cls` (see _flagged), defaults and help from the fields."""
+    for name, kind, default, meta in _flagged(cls):
+        flag = "--" + name.replace("_", "-")
         if kind is bool:
-            flag = flag if not f.default else "--no-" + flag[2:]
-            parser.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+            flag = flag if not default else "--no-" + flag[2:]
+            parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
                                 help=meta.get("help"))
         else:
-            parser.add_argument(flag, dest=f.name, type=kind, default=f.default, choices=meta.get("choices"),
-                                help=meta.get("help", "") + ("" if f.default is None else f" (default: {f.default})"))
+            parser.add_argument(flag, dest=name, type=kind, default=default, choices=meta.get("choices"),
+                                help=meta.get("help", "") + ("" if default is None else f" (default: {default})"))
 
 
 def options(cls, args):
-    """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults; a field holding
+    a dataclass is its default instance with the flagged fields replaced)."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            inner = f.default_factory()
+            kw[f.name] = dataclasses.replace(inner, **{g.name: getattr(args, g.name) for g in dataclasses.fields(inner)
+                                                       if hasattr(args, g.name) and g.name in (f.metadata.get("fields")
+                                                                                               or {g.name: 1})})
+        elif hasattr(args, f.name):
+            kw[f.name] = getattr(args, f.name)
+    return cls(**kw)
 
 
 class Progress:

@@ -28,6 +28,12 @@ def _finetune_banner(info, out) -> list[str]:
             f"{dev}; {info['runs']} run(s) of {info['steps']} steps -> {out}"] + [f"note: {n}" for n in info["notes"] + cut]
 
 
+def _files(args):
+    from duolm.tasks import Files
+
+    return Files(args.data, args.train, args.dev, args.text_column, args.text_pair_column, args.label_column)
+
+
 def cmd_finetune(args):
     from duolm.train.finetune import FinetuneConfig, finetune, finetune_glue
 
@@ -48,9 +54,7 @@ def cmd_finetune(args):
         if args.suite:
             finetune_glue(args.model, args.data, args.out, options(FinetuneConfig, args), **kw)
             return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
-        res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), data=args.data,
-                       train_file=args.train, dev_file=args.dev, text_column=args.text_column,
-                       pair_column=args.text_pair_column, label_column=args.label_column, **kw)
+        res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), _files(args), **kw)
     print(json.dumps({k: res[k] for k in ("task", "metric", "runs", "mean", "std", "best", "result")})
           if args.json else (Path(args.out) / "results.md").read_text(encoding="utf-8"))
 
@@ -64,8 +68,9 @@ def add_finetune(sub):
                                    "model is kept in OUT/best.")
     p.add_argument("model", help="duolm or Hugging Face GPT-2 / BERT directory, or a pretraining run")
     what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (--data: its folder), or "
-                                     "classify / regress with --train / --dev")
+    what.add_argument("--task", help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli (--data: its folder); "
+                                     "classify / regress with --train / --dev; conll2003 (--data: its folder) or ner; "
+                                     "squad; multiple-choice (--train / --dev: context, ending0..N, label)")
     what.add_argument("--suite", choices=["glue"], help="every GLUE task found in --data (the folder of task folders), "
                                                         "then the BERT paper's Table 1 layout")
     p.add_argument("-o", "--out", required=True, help="run folder (several seeds: one sub-folder each)")
@@ -77,6 +82,10 @@ def add_finetune(sub):
 
 
 def _read_inputs(args, kind: str) -> list:
+    if kind == "choice":
+        if len(args.texts) < 3:
+            raise ValueError("multiple choice takes a context and two or more endings: CONTEXT ENDING ENDING ...")
+        return [(args.texts[0], args.texts[1:])]
     if kind == "span":
         if not args.question or not args.context:
             raise ValueError("a question answerer needs --question (repeatable) and --context FILE")
@@ -97,6 +106,8 @@ def _read_inputs(args, kind: str) -> list:
 def _prediction_line(inp, r) -> str:
     if isinstance(r, list):                                  # a tagger: the entities of the text
         return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
+    if isinstance(r.get("probabilities"), list):             # multiple choice: the best ending
+        return f"{inp[1][r['label']]}\t{r['label']}\t{r['probabilities'][r['label']]:.4f}"
     if "answer" in r:
         span = f"[{r['start']}:{r['end']}]" if r["start"] is not None else "(no answer)"
         return f"{inp[0]}\t{r['answer']}\t{span}\t{r['score']:.3f}"
@@ -105,14 +116,13 @@ def _prediction_line(inp, r) -> str:
 
 
 def cmd_predict(args):
-    from duolm.data.tasks import load_task
     from duolm.fileio import write_text
-    from duolm.train.finetune import load_finetuned, predict
-    from duolm.train.sentence_tasks import write_glue_predictions
+    from duolm.tasks import load_finetuned, predict
+    from duolm.tasks.sentence import write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
     if args.data:
-        files = write_glue_predictions(model, tok, load_task(model.head.task, args.data, splits=("test",)), args.out)
+        files = write_glue_predictions(model, tok, args.data, args.out)
         return print("wrote " + ", ".join(map(str, files)))
     inputs = _read_inputs(args, model.head.kind)
     results = predict(model, tok, inputs)
@@ -130,7 +140,7 @@ def cmd_predict(args):
 def add_predict(sub):
     p = sub.add_parser("predict", help="label texts (or pairs), tag entities or answer questions with a fine-tuned model")
     p.add_argument("model", help="fine-tuned run folder or model directory")
-    p.add_argument("texts", nargs="*", help="texts to label or tag")
+    p.add_argument("texts", nargs="*", help="texts to label or tag (multiple choice: a context, then its endings)")
     p.add_argument("--pairs", action="store_true", help="the texts are sentence pairs, two at a time")
     p.add_argument("--file", default=None, help="one input per line; a tab separates the two texts of a pair")
     p.add_argument("--question", action="append", help="question answering: a question (repeatable)")
@@ -143,23 +153,12 @@ def add_predict(sub):
 
 
 def cmd_evaluate(args):
-    from duolm.data.tasks import load_task
-    from duolm.train import token_tasks
-    from duolm.train.finetune import load_finetuned
-    from duolm.train.sentence_tasks import evaluate_task
+    from duolm.tasks import evaluate, load_finetuned
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    head, notes = model.head, []
-    if head.kind in ("tag", "span"):
-        metrics = token_tasks.evaluate(model, tok, head.task, args.data, args.dev, args.dev_fraction)
-    else:
-        data = load_task(head.task, args.data, args.train, args.dev, text=args.text_column, pair=args.text_pair_column,
-                         label=args.label_column, splits=("train", "dev") if args.split == "train" or args.dev_fraction
-                         else ("dev",), dev_fraction=args.dev_fraction, kind=head.kind, labels=head.labels)
-        notes, data.dev = data.notes, ({"": data.train} if args.split == "train" else data.dev)
-        metrics = evaluate_task(model, tok, data)
+    metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
     if args.json:
-        return print(json.dumps({"task": head.task, "split": args.split, **metrics}))
+        return print(json.dumps({"task": model.head.task, "split": args.split, **metrics}))
     print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
                     + [f"  {t:<14} {s['f1']:.4f} ({s['support']})" for t, s in metrics.get("per_type", {}).items()]))
 

@@ -91,7 +91,7 @@ GPT2_ARCHITECTURES = ("GPT2LMHeadModel", "GPT2Model")
 BERT_ARCHITECTURES = ("BertModel", "BertForPreTraining", "BertForMaskedLM")
 SUPPORTED = (f"model_type 'gpt2' {list(GPT2_ARCHITECTURES)} or 'bert' {list(BERT_ARCHITECTURES)}, and the "
              f"fine-tuned GPT2ForSequenceClassification, Bert{{ForSequence,ForToken}}Classification, "
-             f"BertForQuestionAnswering")
+             f"BertForQuestionAnswering, BertForMultipleChoice")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -364,12 +364,14 @@ def config_from_hf(d: dict) -> tuple[str, GPT2Config | BertConfig]:
 HEAD_ARCHITECTURES = {  # (family, head kind) -> HF class
     ("bert", "classify"): "BertForSequenceClassification", ("bert", "regress"): "BertForSequenceClassification",
     ("bert", "tag"): "BertForTokenClassification", ("bert", "span"): "BertForQuestionAnswering",
+    ("bert", "choice"): "BertForMultipleChoice",
     ("gpt2", "classify"): "GPT2ForSequenceClassification", ("gpt2", "regress"): "GPT2ForSequenceClassification",
 }
 HEAD_LAYERS = {  # HF class -> {our head key: HF key}
     "BertForSequenceClassification": {"fc.weight": "classifier.weight", "fc.bias": "classifier.bias"},
     "BertForTokenClassification": {"fc.weight": "classifier.weight", "fc.bias": "classifier.bias"},
     "BertForQuestionAnswering": {"fc.weight": "qa_outputs.weight", "fc.bias": "qa_outputs.bias"},
+    "BertForMultipleChoice": {"fc.weight": "classifier.weight", "fc.bias": "classifier.bias"},
     "GPT2ForSequenceClassification": {"score.weight": "score.weight"},
 }
 # transformers builds the token and span heads on a BertModel without the pooler (add_pooling_layer=False)
@@ -427,12 +429,14 @@ def head_config_to_hf(head, pad_token_id: int | None = None) -> dict:
 
 def head_kind_from_hf(d: dict) -> tuple[str, list]:
     """(head kind, labels) of an HF head config (config.json of a *For{Sequence,Token}Classification /
-    BertForQuestionAnswering directory)."""
+    BertForQuestionAnswering / BertForMultipleChoice directory)."""
     arch = (d.get("architectures") or [""])[0]
     id2label = d.get("id2label") or {}
     labels = [id2label[k] for k in sorted(id2label, key=int)]
     if arch == "BertForQuestionAnswering":
         return "span", []
+    if arch == "BertForMultipleChoice":
+        return "choice", []
     if arch == "BertForTokenClassification":
         return "tag", labels
     if d.get("problem_type") == "regression" or len(labels) == 1 or d.get("num_labels") == 1:

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from duolm.data.causal import derive_seed, generator, rank_rows
-
-IGNORE = -100  # label of positions that are not predicted (the loss ignores them)
+from duolm.objectives import IGNORE
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from duolm.evaluation import readers
-from duolm.evaluation.metrics import normalize_answer, token_f1
+from duolm.metrics import normalize_answer, token_f1
 from duolm.evaluation.tasks import EvalOptions, Progress
 from duolm.generation import generate
 

@@ -3,6 +3,7 @@
     BERT, one label per input:   logits = W dropout(tanh(W_pool h[CLS] + b))       BertForSequence
     BERT, one label per token:   logits_i = W dropout(h_i)                         BertForTokens
     BERT, a span (SQuAD):        start_i = h_i . W_s,  end_i = h_i . W_e           BertForSpans
+    BERT, one of N endings:      score_j = w . dropout(tanh(W_pool h_j[CLS] + b))  BertForChoice (softmax over j)
     GPT, one label per input:    logits = W_y h_last  (h of the last real token)   GPT2ForSequence
 
 A regressor is a classifier with one output (its loss is MSE; losses live in duolm.train). The head
@@ -20,7 +21,7 @@ import torch.nn as nn
 from duolm.models.bert import Bert, BertConfig, BertForPreTraining
 from duolm.models.gpt2 import GPT2, GPT2Config
 
-KINDS = ("classify", "regress", "tag", "span")
+KINDS = ("classify", "regress", "tag", "span", "choice")
 
 
 @dataclass
@@ -28,7 +29,7 @@ class HeadConfig:
     """What a fine-tuned head predicts, and how its inputs were made (so predict() makes them the same way).
 
     kind: "classify" (a label per input), "regress" (a number per input), "tag" (a label per token),
-          "span" (start and end of an answer in the input).
+          "span" (start and end of an answer in the input), "choice" (the best of N endings of a context).
     labels: class or tag names, id = position (classify, tag); empty for regress and span.
     task: the task it was trained on ("sst2", "mnli", "classify" for user data, ...), for evaluation.
     max_length: input tokens at most, as in training.
@@ -49,7 +50,7 @@ class HeadConfig:
         self.labels = [str(x) for x in self.labels]
         if self.kind in ("classify", "tag") and len(self.labels) < 2:
             raise ValueError(f"a {self.kind} head needs at least 2 labels, got {self.labels}")
-        if self.kind in ("regress", "span") and self.labels:
+        if self.kind in ("regress", "span", "choice") and self.labels:
             raise ValueError(f"a {self.kind} head has no labels, got {self.labels}")
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be distinct, got {self.labels}")
@@ -59,7 +60,7 @@ class HeadConfig:
     @property
     def n_out(self) -> int:
         """Outputs of the head's linear layer."""
-        return {"regress": 1, "span": 2}.get(self.kind, len(self.labels))
+        return {"regress": 1, "span": 2, "choice": 1}.get(self.kind, len(self.labels))
 
 
 def _init(linear: nn.Linear) -> nn.Linear:
@@ -123,6 +124,27 @@ class BertForSpans(nn.Module):
         return start, end
 
 
+class BertForChoice(nn.Module):
+    """Multiple choice (BERT section 4.4, SWAG): each of N "[CLS] context [SEP] ending [SEP]" inputs gets a score
+    from its pooled [CLS] state, the N scores are the logits of a softmax over the endings."""
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind != "choice":
+            raise ValueError(f"BertForChoice predicts choice, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
+        self.drop = nn.Dropout(config.dropout)
+        self.fc = _init(nn.Linear(config.n_embd, 1))
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """idx, segment_ids, attention_mask (B, N, T): N endings per example -> logits (B, N)."""
+        B, N, T = idx.shape
+        flat = lambda x: None if x is None else x.reshape(B * N, T)                        # noqa: E731
+        pooled = self.bert.pooled(flat(idx), flat(segment_ids), flat(attention_mask))
+        return self.fc(self.drop(pooled)).view(B, N)
+
+
 class GPT2ForSequence(nn.Module):
     """A label (or a number) per input from the hidden state of its last real token (GPT-1 section 3.2).
 
@@ -158,11 +180,12 @@ def head_model(family: str, config, head: HeadConfig) -> nn.Module:
         return GPT2ForSequence(config, head)
     if family != "bert":
         raise ValueError(f"family {family!r} is not 'gpt2' or 'bert'")
-    cls = {"classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans}
+    cls = {"classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans,
+           "choice": BertForChoice}
     return cls[head.kind](config, head)
 
 
-HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, GPT2ForSequence)
+HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, BertForChoice, GPT2ForSequence)
 
 
 def backbone(model: nn.Module) -> nn.Module:

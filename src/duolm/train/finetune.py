@@ -1,9 +1,9 @@
-"""Fine-tuning as one library call: finetune() on a sentence task (GLUE, the user's labelled texts), NER
-(CoNLL-2003) or SQuAD, with the papers' recipes, several seeds and a learning-rate grid; predict() and
-evaluate_task() for the fine-tuned model whatever its head.
+"""Fine-tuning as one library call: finetune() on any task of duolm.tasks (GLUE, the user's labelled texts, NER,
+SQuAD, multiple choice) with the papers' recipes, several seeds and a learning-rate grid.
 
-A task is a batch source plus a loss (duolm.train.sentence_tasks, duolm.train.token_tasks prepare them);
-every run is the one train() loop, with the dev metrics after every epoch and the best model kept.
+A task (duolm.tasks.prepare) is a batch source, a loss and a validation; every run is the one train() loop,
+with the dev metrics after every epoch and the best model kept. This module is the recipe: seeds, the rate
+grid, selection over runs, the results files.
 """
 from __future__ import annotations
 
@@ -12,82 +12,74 @@ import multiprocessing
 import shutil
 import statistics
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
-from duolm.checkpoint import load
-from duolm.data.features import TaskBatches
-from duolm.data.tasks import GLUE
+from duolm import tasks
+from duolm.checkpoint import load, save
+from duolm.config import opt
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, attach_head
-from duolm.runs import read_manifest, read_metrics, replace_folder
-from duolm.train import sentence_tasks, token_tasks
+from duolm.runs import read_metrics, replace_folder
+from duolm.tasks import Files, TaskBatches, TaskOptions
+from duolm.tasks.glue import GLUE
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, train
 
 # --- the recipe ------------------------------------------------------------------------------------
 
-def _opt(default, help, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
 # The papers' recipes: BERT section 4 / appendix A.3, GPT-1 section 4.1 ("fine-tuning details").
 RECIPES = {"bert": {"lr": 2e-5, "warmup": 0.1, "lm_coef": 0.0}, "gpt2": {"lr": 6.25e-5, "warmup": 0.002, "lm_coef": 0.5}}
 TOKEN_TASK_LR = 5e-5                # BERT section 4.2 (SQuAD v1.1: 5e-5, batch 32, 3 epochs); NER alike
 LR_GRID = (5e-5, 3e-5, 2e-5)        # BERT's grid, chosen on dev
+# How the loop runs for fine-tuning: BERT's AdamW (betas 0.9 / 0.999, eps 1e-6, weight decay 0.01), linear decay,
+# validation after every epoch (eval_every 0), the newest checkpoint kept. Steps, warmup and lr come from the recipe.
+FINETUNE_LOOP = TrainConfig(batch_size=32, weight_decay=0.01, betas=(0.9, 0.999), eps=1e-6, decay="linear",
+                            eval_every=0, keep_last=1)
+# The loop's fields a fine-tuning user sets (flags of `duolm finetune`, with help where it differs from
+# pretraining's); the others follow from the recipe.
+LOOP_OPTIONS = {"batch_size": "examples per optimizer step", "micro_batch_size": "examples per forward (default: "
+                "the whole batch)", "weight_decay": None, "grad_clip": None, "eval_every": "also validate every N "
+                "steps (0: after every epoch)", "seed": "first seed; seeds are seed, seed+1, ...", "compile": None}
 
 
 @dataclass
 class FinetuneConfig:
-    """How to fine-tune; the CLI's flags are these fields. None: the paper's value for the model's family
-    (BERT: lr 2e-5, 10% warmup; GPT-1: lr 6.25e-5, 0.2% warmup, lm_coef 0.5)."""
-    lr: float | None = _opt(None, "peak learning rate (BERT 2e-5, GPT 6.25e-5)")
-    lr_grid: bool = _opt(False, f"try the BERT paper's grid {LR_GRID} and keep the best on dev")
-    batch_size: int = _opt(32, "examples per optimizer step")
-    micro_batch_size: int | None = _opt(None, "examples per forward (default: the whole batch)")
-    epochs: float = _opt(3.0, "passes over the training set")
-    warmup: float | None = _opt(None, "share of the steps with linear warmup (BERT 0.1, GPT 0.002); linear decay after")
-    weight_decay: float = _opt(0.01, "AdamW weight decay of the matrices")
-    dropout: float = _opt(0.1, "dropout of the backbone and the head")
-    max_length: int | None = _opt(None, "tokens per input at most (128; SQuAD 384); longer inputs are cut, and counted")
-    lm_coef: float | None = _opt(None, "GPT: weight of the auxiliary LM loss (0.5; 0 disables it)")
-    both_orders: bool = _opt(False, "GPT sentence pairs: also feed B<d>A and sum the two states (GPT-1 similarity)")
-    grad_clip: float = _opt(1.0, "clip the gradient norm to this (0: off)")
-    eval_every: int = _opt(0, "also validate every N steps (0: after every epoch)")
-    seed: int = _opt(0, "first seed; seeds are seed, seed+1, ...")
-    seeds: int = _opt(1, "runs with different seeds (results.json: each, mean, std, best)")
-    jobs: int = _opt(1, "runs at once in worker processes (GPUs dealt out round-robin; no progress bar)")
-    select: str = _opt("mean", "several seeds: report the mean, or keep the best on dev (BERT's restarts)",
-                       choices=("mean", "best"))
-    dev_fraction: float = _opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
-    max_train_examples: int = _opt(0, "train on the first N training examples only (NER: sentences, SQuAD: "
-                                       "questions; 0: all)")
-    context: str = _opt("sentence", "NER: each sentence alone, or with its document around it (BERT)",
-                        choices=("sentence", "document"))
-    stride: int = _opt(128, "SQuAD: pieces between the starts of a long context's windows")
-    compile: bool = _opt(False, "torch.compile the model for training")
+    """How to fine-tune; the CLI's flags are these fields, those of `inputs` and the LOOP_OPTIONS of `loop`.
+    None: the paper's value for the model's family (BERT: lr 2e-5, 10% warmup; GPT-1: lr 6.25e-5, 0.2% warmup,
+    lm_coef 0.5). loop.eval_every 0: validate after every epoch."""
+    loop: TrainConfig = opt(FINETUNE_LOOP, "the training loop", fields=LOOP_OPTIONS)
+    inputs: TaskOptions = opt(TaskOptions(), "how the task's inputs are made")
+    lr: float | None = opt(None, "peak learning rate (BERT 2e-5, GPT 6.25e-5)")
+    lr_grid: bool = opt(False, f"try the BERT paper's grid {LR_GRID} and keep the best on dev")
+    epochs: float = opt(3.0, "passes over the training set")
+    warmup: float | None = opt(None, "share of the steps with linear warmup (BERT 0.1, GPT 0.002); linear decay after")
+    dropout: float = opt(0.1, "dropout of the backbone and the head")
+    lm_coef: float | None = opt(None, "GPT: weight of the auxiliary LM loss (0.5; 0 disables it)")
+    seeds: int = opt(1, "runs with different seeds (results.json: each, mean, std, best); the first is --seed")
+    jobs: int = opt(1, "runs at once in worker processes (GPUs dealt out round-robin; no progress bar)")
+    select: str = opt("mean", "several seeds: report the mean, or keep the best on dev (BERT's restarts)",
+                      choices=("mean", "best"))
 
     def __post_init__(self):
-        for name in ("batch_size", "seeds", "max_length", "stride", "jobs"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
+        for name in ("seeds", "jobs"):
+            if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.max_train_examples < 0:
-            raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 0 (0: all)")
         if self.epochs <= 0:
             raise ValueError(f"epochs={self.epochs} must be > 0")
 
     def resolved(self, family: str, kind: str = "classify") -> "FinetuneConfig":
         """A copy with every None replaced by the recipe of the family and the kind of task."""
-        recipe = {**RECIPES[family], "max_length": 384 if kind == "span" else 128}
+        recipe = dict(RECIPES[family])
         if kind in ("tag", "span"):
             recipe["lr"] = TOKEN_TASK_LR
         return replace(self, **{k: v for k, v in recipe.items() if getattr(self, k) is None})
 
 
-# --- models in, predictions out ---------------------------------------------------------------------
+# --- models in ---------------------------------------------------------------------------------------
 
 def load_pretrained(path, device="cpu"):
     """-> (model, tokenizer, family) of a model to fine-tune: a duolm or HF GPT-2 / BERT directory or a run."""
@@ -100,73 +92,51 @@ def load_pretrained(path, device="cpu"):
     return model, tok, "gpt2" if isinstance(model, GPT2) else "bert"
 
 
-def load_finetuned(path, device="cpu"):
-    """-> (head model, tokenizer) of a fine-tuned model directory or run (a run's best/ model)."""
-    model, tok = load(path, device)
-    if not isinstance(model, HEAD_MODELS):
-        raise ValueError(f"{path} holds a {type(model).__name__} without a fine-tuning head; fine-tune it first "
-                         f"(duolm finetune {path} --task ...)")
-    if tok is None:
-        raise ValueError(f"{path} has no tokenizer files (vocab.txt, or vocab.json + merges.txt)")
-    return model, tok
-
-
-def predict(model, tokenizer, inputs, batch_size: int = 64) -> list:
-    """Predictions of a fine-tuned model, whatever its head: classify / regress: texts or (text, text) pairs ->
-    {"label", "probabilities"} / {"score"}; tag: texts -> their entities; span: (question, context) pairs ->
-    {"answer", "start", "end", "score"}."""
-    tasks = token_tasks if model.head.kind in ("tag", "span") else sentence_tasks
-    return tasks.predict(model, tokenizer, inputs, batch_size)
-
-
 # --- fine-tuning -------------------------------------------------------------------------------------
 
-def _untrained_as_baseline(validate, fresh: bool):
-    """train() validates a fresh run once before its first step: those metrics are logged as init_<metric>
-    (the untrained model's baseline), so that neither best/ nor the results can be the untrained model."""
-    calls = [0 if fresh else 1]
-
-    def wrapped(model):
-        calls[0] += 1
-        out = validate(model)
-        return {"init_" + k.removeprefix("val_"): v for k, v in out.items()} if calls[0] == 1 else out
-    return wrapped
-
-
-def _one_run(base, tok, task: dict, cfg: FinetuneConfig, lr: float, seed: int, run_dir, device, resume,
+def _one_run(base, tok, task: tasks.Prepared, cfg: FinetuneConfig, lr: float, seed: int, run_dir, device, resume,
              on_log) -> dict:
     """One seed at one learning rate: train() with the task's batches, loss and validation; -> the dev metrics
-    of the best evaluation (by the task's first metric)."""
+    of the best evaluation (by the task's first metric). Values chosen on dev by validation (SQuAD v2.0's
+    null_threshold) are saved into the best model's head."""
     torch.manual_seed(seed)                                  # the new layer's initial weights
-    model = attach_head(base, task["head"], cfg.dropout).to(device)
-    per_epoch, max_steps = _steps(task["train"], cfg)
-    main = "val_" + task["metrics"][0]
-    tc = TrainConfig(max_steps=max_steps, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size, lr=lr,
-                     warmup_steps=round(cfg.warmup * max_steps), decay="linear", weight_decay=cfg.weight_decay,
-                     betas=(0.9, 0.999), eps=1e-6, grad_clip=cfg.grad_clip, eval_every=cfg.eval_every or per_epoch,
-                     checkpoint_every=per_epoch, keep_last=1, seed=seed, compile=cfg.compile, select_metric=main)
-    out = train(model, task["objective"], TaskBatches(task["train"], seed, task["collate"]), tc, run_dir,
-                validate=_untrained_as_baseline(task["validate"], fresh=not (resume and read_manifest(run_dir))),
-                tokenizer=tok, resume=resume, on_log=on_log)
+    model = attach_head(base, task.head, cfg.dropout).to(device)
+    per_epoch, max_steps = _steps(task.train, cfg)
+    main = "val_" + task.metrics[0]
+    tc = replace(cfg.loop, max_steps=max_steps, lr=lr, warmup_steps=round(cfg.warmup * max_steps),
+                 eval_every=cfg.loop.eval_every or per_epoch, checkpoint_every=per_epoch, seed=seed, select_metric=main)
+    batch_size = 2 * cfg.loop.batch_size
+    validate = lambda m: task.validate(m, tok, batch_size)                                          # noqa: E731
+    baseline = lambda m: {"init_" + k.removeprefix("val_"): v for k, v in validate(m).items()}      # noqa: E731
+    out = train(model, task.objective, TaskBatches(task.train, seed), tc, run_dir, validate=validate,
+                baseline=baseline, tokenizer=tok, resume=resume, on_log=on_log)
     if out["stopped"]:
         raise InterruptedError(f"stopped by SIGTERM at step {out['step']} of {run_dir} (saved; --resume continues)")
     plot_run(run_dir)
     evals = [r for r in read_metrics(run_dir) if isinstance(r.get(main), float) and not math.isnan(r[main])]
     best = max(evals, key=lambda r: r[main]) if evals else {"step": max_steps}
+    metrics = {k[4:]: v for k, v in best.items() if k.startswith("val_")}
+    if "null_threshold" in metrics and (Path(run_dir) / "best").is_dir():
+        _save_into_head(Path(run_dir) / "best", null_threshold=metrics["null_threshold"])
     return {"run": Path(run_dir).name, "lr": lr, "seed": seed, "step": best["step"],
-            "epoch": round(best["step"] / per_epoch, 2),
-            "metrics": {k[4:]: v for k, v in best.items() if k.startswith("val_")}}
+            "epoch": round(best["step"] / per_epoch, 2), "metrics": metrics}
+
+
+def _save_into_head(model_dir: Path, **learned) -> None:
+    """The model in model_dir with fields of its HeadConfig set to values learned on dev, saved in its place."""
+    model, tok = load(model_dir)
+    model.head = replace(model.head, **learned)
+    replace_folder(model_dir, lambda d: save(model, d, tokenizer=tok))
 
 
 def _steps(train_feats, cfg: FinetuneConfig) -> tuple[int, int]:
     """(steps per epoch, steps in all) of a run."""
-    per_epoch = TaskBatches(train_feats).steps_per_epoch(cfg.batch_size)
+    per_epoch = TaskBatches(train_feats).steps_per_epoch(cfg.loop.batch_size)
     return per_epoch, max(1, round(cfg.epochs * per_epoch))
 
 
-def _prepare(task, tok, family, cfg, block_size, files: dict) -> dict:
-    tasks = sentence_tasks if token_tasks.kind_of(task) is None else token_tasks
-    return tasks.prepare(task, tok, family, cfg, block_size, **files)
+def _prepare(task: str, tok, family: str, cfg: FinetuneConfig, block_size: int, files: Files) -> tasks.Prepared:
+    return tasks.prepare(task, tok, family, cfg.inputs, files, block_size, cfg.lm_coef if family == "gpt2" else 0.0)
 
 
 def _job(model, task, files, cfg, lr, seed, run_dir, device, resume, threads) -> dict:
@@ -189,14 +159,14 @@ def _parallel(model, task, files, cfg, plan, device, resume) -> list[dict]:
         return [f.result() for f in futures]
 
 
-def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *, data=None, train_file=None,
-             dev_file=None, text_column: str = "text", pair_column: str | None = None, label_column: str = "label",
+def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, files: Files | None = None, *,
              device: str | None = None, resume: bool = False, on_start=None, on_log=None) -> dict:
     """Fine-tune `model` (a GPT-2 / BERT directory or run) on `task` into `run_dir`; returns the results.
 
-    task: a GLUE task with its folder `data` (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli);
-    "classify" / "regress" with the user's train_file / dev_file and their column names; "conll2003" with
-    its folder (eng.train, eng.testa) or "ner" with CoNLL-format files; "squad" with SQuAD json files.
+    task (with its `files`): a GLUE task with its folder files.data (cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte,
+    wnli); "classify" / "regress" with the user's files.train / files.dev and their column names; "conll2003" with
+    its folder (eng.train, eng.testa) or "ner" with CoNLL-format files; "squad" with SQuAD json files;
+    "multiple-choice" with csv / jsonl files of context, ending0..N, label.
     Every seed (and learning rate of the grid) is a run of the one train() loop with dev metrics after every
     epoch and the best model kept in best/; several runs go to run_dir/seed-S (lr-L-seed-S), the best one's
     model is copied to run_dir/best. run_dir/results.json and results.md hold each run's best dev metrics,
@@ -205,22 +175,20 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, *,
     """
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     base, tok, family = load_pretrained(model, dev)
-    kind = token_tasks.kind_of(task)
-    cfg = (config or FinetuneConfig()).resolved(family, kind)
-    files = dict(data=data, train_file=train_file, dev_file=dev_file)
-    if kind is None:
-        files.update(text_column=text_column, pair_column=pair_column, label_column=label_column)
+    files = files or Files()
+    cfg = (config or FinetuneConfig()).resolved(family, tasks.task(task).kinds[0])
     prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
     lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
-    info = {"model": str(model), "family": family, "device": str(dev), **prepared["info"],
-            "metric": prepared["metrics"][0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared["train"], cfg)[1],
-            "max_length": prepared["head"].max_length, "config": asdict(cfg)}
+    seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
+    info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
+            "metric": prepared.metrics[0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared.train, cfg)[1],
+            "max_length": prepared.head.max_length, "config": asdict(cfg)}
     if on_start is not None:
         on_start(info)
     run_dir = Path(run_dir)
     single = len(lrs) == 1 and cfg.seeds == 1
     plan = [(lr, seed, run_dir if single else run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}"))
-            for lr in lrs for seed in range(cfg.seed, cfg.seed + cfg.seeds)]
+            for lr in lrs for seed in seeds]
     if cfg.jobs > 1 and len(plan) > 1:
         runs_ = _parallel(model, task, files, cfg, plan, dev, resume)
     else:
@@ -288,7 +256,8 @@ def finetune_glue(model, data_dir, run_dir, config: FinetuneConfig | None = None
     found = [name for name, t in GLUE.items() if (Path(data_dir) / t.folder / "train.tsv").is_file()]
     if not found:
         raise FileNotFoundError(f"{data_dir}: no GLUE task folder with a train.tsv ({', '.join(t.folder for t in GLUE.values())})")
-    results = {name: finetune(model, name, Path(run_dir) / name, config, data=Path(data_dir) / GLUE[name].folder, **kw)
+    results = {name: finetune(model, name, Path(run_dir) / name, config, Files(data=Path(data_dir) / GLUE[name].folder),
+                              **kw)
                for name in found}
     write_text(Path(run_dir) / "glue.md", glue_table(results))
     return results

@@ -21,7 +21,7 @@ import pickle
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -30,40 +30,37 @@ from torch import nn
 
 from duolm import runs
 from duolm.checkpoint import load, save
+from duolm.config import opt
+from duolm.objectives import Objective
 from duolm.train.logs import open_logs
-from duolm.train.objectives import Objective
 from duolm.train.optim import lr_at, make_optimizer
 
 TRAIN_STATE = "train_state.pt"
 
 
-def _opt(default, help, **kw):
-    return field(default=default, metadata={"help": help, **kw})
-
-
 @dataclass
 class TrainConfig:
     """How to train (the same for pretraining and fine-tuning); the CLI's flags are these fields."""
-    max_steps: int = _opt(1000, "optimizer steps in all")
-    batch_size: int = _opt(32, "GLOBAL batch: sequences per optimizer step, over all processes")
-    micro_batch_size: int | None = _opt(None, "sequences per forward on one process (default: its whole share)")
-    lr: float = _opt(6e-4, "peak learning rate")
-    min_lr: float = _opt(0.0, "learning rate at the end of the decay")
-    warmup_steps: int = _opt(100, "linear warmup steps")
-    decay: str = _opt("cosine", "schedule after warmup", choices=("cosine", "linear", "constant"))
-    weight_decay: float = _opt(0.1, "AdamW weight decay of the matrices")
-    betas: tuple = _opt((0.9, 0.95), "AdamW betas", cli=False)
-    eps: float = _opt(1e-8, "AdamW epsilon", cli=False)
-    grad_clip: float = _opt(1.0, "clip the global gradient norm to this (0: no clipping)")
-    eval_every: int = _opt(100, "validate every N steps (0: at the end only)")
-    eval_batches: int | None = _opt(20, "validation batches per evaluation")
-    checkpoint_every: int = _opt(500, "checkpoint every N steps (0: at the end and on SIGTERM only)")
-    keep_last: int = _opt(3, "checkpoints kept (the newest)")
-    seed: int = _opt(0, "seed of the weights, the data order and dropout")
-    compile: bool = _opt(False, "torch.compile the model for training")
-    bf16: bool = _opt(True, "bf16 autocast on CUDA", cli=False)
-    select_metric: str | None = _opt(None, "keep RUN/best/ by this validation metric (e.g. val_accuracy)", cli=False)
-    select_mode: str = _opt("max", "whether a larger or smaller select_metric is better", cli=False)
+    max_steps: int = opt(1000, "optimizer steps in all")
+    batch_size: int = opt(32, "GLOBAL batch: sequences per optimizer step, over all processes")
+    micro_batch_size: int | None = opt(None, "sequences per forward on one process (default: its whole share)")
+    lr: float = opt(6e-4, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
+    warmup_steps: int = opt(100, "linear warmup steps")
+    decay: str = opt("cosine", "schedule after warmup", choices=("cosine", "linear", "constant"))
+    weight_decay: float = opt(0.1, "AdamW weight decay of the matrices")
+    betas: tuple = opt((0.9, 0.95), "AdamW betas", cli=False)
+    eps: float = opt(1e-8, "AdamW epsilon", cli=False)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0: no clipping)")
+    eval_every: int = opt(100, "validate every N steps (0: at the end only)")
+    eval_batches: int | None = opt(20, "validation batches per evaluation")
+    checkpoint_every: int = opt(500, "checkpoint every N steps (0: at the end and on SIGTERM only)")
+    keep_last: int = opt(3, "checkpoints kept (the newest)")
+    seed: int = opt(0, "seed of the weights, the data order and dropout")
+    compile: bool = opt(False, "torch.compile the model for training")
+    bf16: bool = opt(True, "bf16 autocast on CUDA", cli=False)
+    select_metric: str | None = opt(None, "keep RUN/best/ by this validation metric (e.g. val_accuracy)", cli=False)
+    select_mode: str = opt("max", "whether a larger or smaller select_metric is better", cli=False)
 
     def __post_init__(self):
         for name in ("max_steps", "batch_size", "keep_last"):
@@ -239,13 +236,15 @@ def _better(value, best, mode):
 # --- the loop ---------------------------------------------------------------------------------
 
 def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, validate=None,
-          tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
+          baseline=None, tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
     """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows"}.
 
     data: .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch, a pure
           function of the step (e.g. duolm.data.CausalBatches / BertBatches).
     validate(model) -> {name: value}: run every cfg.eval_every steps (and at step 0 of a fresh run) and
           at the end; see loss_validator. With cfg.select_metric, the best model is kept in RUN/best/.
+    baseline(model) -> {name: value}: run instead of validate at step 0 of a fresh run, its metrics logged under
+          the names it gives them and never kept as the best (fine-tuning: the untrained model's init_*).
     run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written).
     resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
     on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
@@ -305,7 +304,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     try:
         with _StopOnSigterm() as stop:
             if start == 0 and cfg.eval_every and validate is not None:
-                log({"step": 0, **run_validation(0)})
+                log({"step": 0, **(baseline(model) if baseline is not None else run_validation(0))})
             t0 = time.perf_counter()
             while step < cfg.max_steps:
                 torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step

@@ -8,43 +8,47 @@ The CLI (`duolm pretrain`) and the demo call this; torchrun runs it as is (DDP o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from duolm.data import BertBatches, CausalBatches, MaskSpec, load_documents, load_meta, open_split
+from duolm.config import opt
+from duolm.data import (
+    BertBatches,
+    CausalBatches,
+    MaskSpec,
+    load_documents,
+    load_meta,
+    open_split,
+)
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.objectives import CAUSAL_LM, MLM_NSP
 from duolm.tokenizers import load_tokenizer
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, loss_validator, train
-from duolm.train.objectives import CAUSAL_LM, MLM_NSP
 
 FAMILIES = ("gpt2", "bert")
-
-
-def _opt(default, help, **kw):
-    return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class ModelConfig:
     """What model to pretrain and how to build its batches; the CLI's flags are these fields."""
-    preset: str = _opt("tiny", "size preset: tiny, gpt2, gpt2-medium, ..., bert-base, bert-large")
-    block_size: int | None = _opt(None, "sequence length (default: the preset's)")
-    dropout: float | None = _opt(None, "dropout (default: the preset's)")
-    n_layer: int | None = _opt(None, "override the preset's layers")
-    n_head: int | None = _opt(None, "override the preset's heads")
-    n_embd: int | None = _opt(None, "override the preset's width (BERT: n_inner = 4x)")
-    order: str = _opt("random", "gpt2: window order", choices=("random", "shuffle", "sequential"))
-    masking: str = _opt("dynamic", "bert: masks drawn once or at every use", choices=("static", "dynamic"))
-    nsp: bool = _opt(True, "bert: next-sentence prediction (off: MLM only, as RoBERTa)")
-    whole_word: bool = _opt(False, "bert: whole-word masking")
-    masked_lm_prob: float = _opt(0.15, "bert: share of tokens masked")
-    max_predictions: int = _opt(20, "bert: masked positions per sequence at most")
-    short_seq_prob: float = _opt(0.1, "bert: share of shorter sequences")
-    dupe_factor: int = _opt(1, "bert static masking: copies with different masks")
+    preset: str = opt("tiny", "size preset: tiny, gpt2, gpt2-medium, ..., bert-base, bert-large")
+    block_size: int | None = opt(None, "sequence length (default: the preset's)")
+    dropout: float | None = opt(None, "dropout (default: the preset's)")
+    n_layer: int | None = opt(None, "override the preset's layers")
+    n_head: int | None = opt(None, "override the preset's heads")
+    n_embd: int | None = opt(None, "override the preset's width (BERT: n_inner = 4x)")
+    order: str = opt("random", "gpt2: window order", choices=("random", "shuffle", "sequential"))
+    masking: str = opt("dynamic", "bert: masks drawn once or at every use", choices=("static", "dynamic"))
+    nsp: bool = opt(True, "bert: next-sentence prediction (off: MLM only, as RoBERTa)")
+    whole_word: bool = opt(False, "bert: whole-word masking")
+    masked_lm_prob: float = opt(0.15, "bert: share of tokens masked")
+    max_predictions: int = opt(20, "bert: masked positions per sequence at most")
+    short_seq_prob: float = opt(0.1, "bert: share of shorter sequences")
+    dupe_factor: int = opt(1, "bert static masking: copies with different masks")
 
 
 def setup_distributed(device: str | None = None, env=os.environ):

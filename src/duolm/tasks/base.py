@@ -1,0 +1,286 @@
+"""What every downstream task shares: the typed `Task` a task module exports, the data it reads (`Data`), the
+options of its inputs (`TaskOptions`), the table reader for the user's files, and the batching of encoded
+examples for training (`TaskBatches`) and for prediction (`run_model`).
+
+`TaskBatches` serves training batches as a pure function of (seed, step), like the pretraining batch
+sources, so a resumed run sees exactly the batches it would have seen: each epoch is a fresh
+permutation, cut into chunks of 50 batches; each chunk is sorted by length and cut into batches of
+similar lengths, and the batches of the epoch are served in random order. Padding goes to the longest
+row of a batch only (dynamic padding), so compute is spent on tokens; it never changes a result.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from duolm.config import opt
+from duolm.data.causal import generator, rank_rows
+
+csv.field_size_limit(sys.maxsize)         # long passages (RTE, QNLI) are one field
+
+MAX_LENGTH = 128         # tokens per input (BERT's GLUE and CoNLL recipes)
+SPAN_MAX_LENGTH = 384    # tokens per SQuAD window (BERT section 4.2)
+MAX_QUERY = 64           # SQuAD question pieces at most (run_squad.py)
+STRIDE = 128             # SQuAD: pieces between the starts of a long context's windows (run_squad.py)
+GROUP = 50               # batches per length-sorted chunk (as transformers' LengthGroupedSampler)
+
+
+@dataclass
+class TaskOptions:
+    """How a task's inputs are made and split; the CLI's flags are these fields. max_length None: the task's
+    own default (MAX_LENGTH; SQuAD SPAN_MAX_LENGTH)."""
+    max_length: int | None = opt(None, f"tokens per input at most ({MAX_LENGTH}; SQuAD {SPAN_MAX_LENGTH}); longer "
+                                       f"inputs are cut, and counted")
+    both_orders: bool = opt(False, "GPT sentence pairs: also feed B<d>A and sum the two states (GPT-1 similarity)")
+    context: str = opt("sentence", "NER: each sentence alone, or with its document around it (BERT)",
+                       choices=("sentence", "document"))
+    stride: int = opt(STRIDE, "SQuAD: pieces between the starts of a long context's windows")
+    dev_fraction: float = opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
+    max_train_examples: int = opt(0, "train on the first N training examples only (NER: sentences, SQuAD: "
+                                     "questions; 0: all)")
+
+    def __post_init__(self):
+        if self.max_length is not None and self.max_length < 2:
+            raise ValueError(f"max_length={self.max_length} must be >= 2")
+        if self.stride < 1:
+            raise ValueError(f"stride={self.stride} must be >= 1")
+        if self.max_train_examples < 0:
+            raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 0 (0: all)")
+
+
+@dataclass
+class Files:
+    """Where a task's data is: a task folder (GLUE, CoNLL-2003) or the user's train / dev files, and the columns
+    of the user's table files."""
+    data: str | Path | None = None
+    train: str | Path | None = None
+    dev: str | Path | None = None
+    text_column: str = "text"
+    pair_column: str | None = None
+    label_column: str = "label"
+
+
+@dataclass
+class Data:
+    """A task's data: examples per split, the label space, the metrics (the first selects).
+
+    dev: {metric prefix: examples} ("" for the one dev set; MNLI adds "mm_" for mismatched);
+    test: {submission file name: examples} (GLUE test files, unlabelled); notes: what was done to the data."""
+    name: str
+    kind: str
+    labels: list
+    metrics: tuple
+    train: list = field(default_factory=list)
+    dev: dict = field(default_factory=dict)
+    test: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Task:
+    """A family of downstream tasks (one module of duolm.tasks), read like a paper's appendix:
+
+    read(name, files, splits, options, head) -> Data: the reader (head: a trained model's, whose label space the
+          data must match; None when training);
+    head(data, family, options, block_size) -> HeadConfig: what the fine-tuned head predicts;
+    encode(items, tokenizer, head, options) -> features: len(), lengths(), collate(rows) -> a padded batch, and
+          cut (the inputs that were cut to max_length);
+    objective(family, head, lm_coef) -> Objective (duolm.objectives);
+    predict(model, tokenizer, inputs, batch_size) -> [prediction per input];
+    score(model, tokenizer, items, features, batch_size) -> {metric: value} (the official metrics; features may
+          be None; those named in `percent` are x 100, as the official scripts give them);
+    trained(items) -> the items that are trained on (default: all)."""
+    name: str
+    kinds: tuple
+    names: tuple
+    unit: str
+    read: Callable
+    head: Callable
+    encode: Callable
+    objective: Callable
+    predict: Callable
+    score: Callable
+    percent: tuple = ()
+    trained: Callable = list
+
+
+# --- the user's table files ------------------------------------------------------------------------------
+
+def read_rows(path, columns: tuple | None = None) -> tuple[list[str], list[tuple[int, dict]]]:
+    """-> (column names, [(line number, {column: value})]) of a .tsv, .csv or .jsonl file.
+
+    .tsv: tab-separated, no quoting (the GLUE convention); .csv: standard quoting; both with a header row
+    unless `columns` names the columns. .jsonl: one JSON object per line. Every row must have as many
+    fields as the header (ValueError naming the file and line). A UTF-8 byte-order mark is skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    suffix = path.suffix.lower()
+    if suffix not in (".tsv", ".csv", ".jsonl", ".json"):
+        raise ValueError(f"{path}: unknown format {suffix!r}; use .tsv, .csv or .jsonl")
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            if suffix in (".jsonl", ".json"):
+                return _read_jsonl(path, f)
+            return _read_table(path, f, suffix, columns)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _read_table(path, f, suffix, columns):
+    reader = csv.reader(f, delimiter="\t" if suffix == ".tsv" else ",",
+                        quoting=csv.QUOTE_NONE if suffix == ".tsv" else csv.QUOTE_MINIMAL)
+    rows = []
+    header = list(columns) if columns else None
+    try:
+        for fields in reader:
+            if not fields or fields == [""]:
+                continue
+            if header is None:
+                header = [h.strip() for h in fields]
+                continue
+            if len(fields) != len(header):
+                raise ValueError(f"{path} line {reader.line_num}: {len(fields)} fields, the header has {len(header)} "
+                                 f"({', '.join(header)})")
+            rows.append((reader.line_num, dict(zip(header, fields))))
+    except csv.Error as e:
+        raise ValueError(f"{path} line {reader.line_num}: {e}") from None
+    return header or [], rows
+
+
+def _read_jsonl(path, f):
+    rows, header = [], {}
+    for n, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path} line {n}: expected a JSON object, got {type(obj).__name__}")
+        header.update(dict.fromkeys(obj))
+        rows.append((n, obj))
+    return list(header), rows
+
+
+def column(path, header, name, what):
+    """`name` when the file has that column, else a ValueError listing the columns it has."""
+    if name not in header:
+        raise ValueError(f"{path}: no {what} column {name!r}; the columns are: {', '.join(map(str, header)) or 'none'}")
+    return name
+
+
+def holdout(examples: list, fraction: float) -> tuple[list, list]:
+    """(first 1 - fraction, last fraction) of a list, each part at least one item.
+
+    Example: 10 items, 0.1 -> the first 9 and the last 1."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"dev fraction {fraction} must be between 0 and 1")
+    n = min(len(examples) - 1, max(1, round(len(examples) * fraction)))
+    if n < 1:
+        raise ValueError(f"cannot hold out a dev set from {len(examples)} example(s)")
+    return examples[:-n], examples[-n:]
+
+
+def first(examples: list, limit: int, notes: list, what: str = "training examples") -> list:
+    """The first `limit` examples (0: all), with a note when some are left out (HF's max_train_samples).
+
+    Example: 10 items, limit 4 -> the first 4, and the note "trained on the first 4 of 10 training examples"."""
+    if limit and len(examples) > limit:
+        notes.append(f"trained on the first {limit} of {len(examples)} {what}")
+        return examples[:limit]
+    return examples
+
+
+# --- batches ---------------------------------------------------------------------------------------------
+
+def pad(seqs: Sequence[Sequence[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lists of ids right-padded with `value` to the longest -> (ids (B, T), mask (B, T): 1 = real, 0 = padding)."""
+    T = max(len(x) for x in seqs)
+    ids = torch.full((len(seqs), T), value, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for b, x in enumerate(seqs):
+        ids[b, :len(x)] = torch.tensor(x)
+        mask[b, :len(x)] = 1
+    return ids, mask
+
+
+class TaskBatches:
+    """Length-grouped training batches, a pure function of (seed, step) (see the module doc), of any features
+    with len(), lengths() and collate(rows) (see Task.encode).
+
+    An epoch is len(features) // batch_size steps (the remainder, different each epoch, waits for the next)."""
+
+    def __init__(self, features, seed: int = 0):
+        if len(features) == 0:
+            raise ValueError("no training examples")
+        self.features, self.seed = features, seed
+        self._lengths = features.lengths()
+        self._epoch: tuple[int, int, list] | None = None
+
+    def steps_per_epoch(self, batch_size: int) -> int:
+        n = len(self.features) // batch_size
+        if n == 0:
+            raise ValueError(f"{len(self.features)} training examples do not fill one batch of {batch_size}")
+        return n
+
+    def epoch_batches(self, epoch: int, batch_size: int) -> list[np.ndarray]:
+        """The rows of every batch of `epoch`, in serving order."""
+        if self._epoch is None or self._epoch[:2] != (epoch, batch_size):
+            n = self.steps_per_epoch(batch_size) * batch_size
+            perm = torch.randperm(len(self.features), generator=generator(self.seed, 5, epoch)).numpy()[:n]
+            batches = []
+            for c in range(0, n, GROUP * batch_size):
+                chunk = perm[c:c + GROUP * batch_size]
+                chunk = chunk[np.argsort(-self._lengths[chunk], kind="stable")]
+                batches += [chunk[i:i + batch_size] for i in range(0, len(chunk), batch_size)]
+            order = torch.randperm(len(batches), generator=generator(self.seed, 6, epoch)).tolist()
+            self._epoch = (epoch, batch_size, [batches[i] for i in order])
+        return self._epoch[2]
+
+    def batch(self, step: int, batch_size: int, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
+        """This rank's rows of the global batch at `step`."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        per_epoch = self.steps_per_epoch(batch_size)
+        rows = self.epoch_batches(step // per_epoch, batch_size)[step % per_epoch]
+        return self.features.collate(rows[rank_rows(batch_size, rank, world_size)].tolist())
+
+
+def eval_batches(features, batch_size: int, rank: int = 0, world_size: int = 1
+                 ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+    """Every example once, longest first (little padding), as (example numbers, batch); each rank gets its
+    share of each batch (ranks may get unequal rows in the last one)."""
+    order = np.argsort(-features.lengths(), kind="stable")
+    for b in range(0, len(order), batch_size):
+        mine = np.array_split(order[b:b + batch_size], world_size)[rank].tolist()
+        if mine:
+            yield mine, features.collate(mine)
+
+
+@torch.no_grad()
+def run_model(forward: Callable, model, features, batch_size: int = 64) -> list[torch.Tensor]:
+    """forward(model, batch) -> outputs (B, ...) for every row of `features`, in order: float32 CPU tensors, each
+    row's cut to its length when the outputs have a token axis (its length given by features.lengths()). The model
+    is in eval mode meanwhile; on CUDA under bf16 autocast."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    lengths = features.lengths()
+    out: list = [None] * len(features)
+    bf16 = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    for index, batch in eval_batches(features, batch_size):
+        with bf16:
+            logits = forward(model, {k: v.to(device, non_blocking=True) for k, v in batch.items()}).float().cpu()
+        for row, i in enumerate(index):
+            out[i] = logits[row, :lengths[i]] if logits.dim() > 2 else logits[row]
+    model.train(was_training)
+    return out

@@ -1,0 +1,310 @@
+"""Token tagging for BERT: named entities (CoNLL-2003, or the user's files in its column format), a label per word.
+Read top to bottom: the reader, the features, the objective, prediction, scores.
+
+    L = CE over the first piece of every word (the other pieces are ignored)          BERT section 5.3
+
+Each word is split into word pieces and its label sits on the first piece; the other pieces, [CLS] and [SEP]
+carry IGNORE (no loss, no prediction), as the BERT paper does for CoNLL-2003. With context="document", a
+sentence is fed with its neighbours from the same document around it (as many pieces as fit, half on each
+side), labelled on its own pieces only: BERT's "maximal document context". Entity F1 is conlleval's
+(duolm.metrics.entity_scores).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from duolm.metrics import entities, entity_scores, invalid_starts
+from duolm.models.heads import HeadConfig
+from duolm.objectives import IGNORE, Objective
+from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, holdout, pad, run_model
+from duolm.tokenizers import WordPiece
+
+SCHEMES = ("IOB1", "IOB2", "IOBES")
+
+
+# --- the reader -------------------------------------------------------------------------------------------
+
+@dataclass
+class Sentence:
+    """The words of one sentence with their tags (None: untagged), its document number and first line."""
+    words: list
+    tags: list | None
+    doc: int = 0
+    where: str = ""
+
+
+def read_conll(path) -> list[Sentence]:
+    """Sentences of a CoNLL column file: a word per line, its tag in the last column (CoNLL-2003: word POS chunk
+    NER), a blank line after each sentence, "-DOCSTART-" lines between documents. Every line must have the
+    number of columns of the first (ValueError naming the file and line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    out, words, tags, doc, first, n_cols = [], [], [], 0, 0, None
+
+    def flush():
+        if words:
+            out.append(Sentence(list(words), list(tags), doc, f"{path}:{first}"))
+        words.clear()
+        tags.clear()
+
+    with open(path, encoding="utf-8-sig") as f:
+        for n, line in enumerate(f, 1):
+            cols = line.split()
+            if not cols:
+                flush()
+                continue
+            if cols[0] == "-DOCSTART-":
+                flush()
+                doc += 1
+                continue
+            n_cols = n_cols or len(cols)
+            if len(cols) != n_cols or n_cols < 2:
+                raise ValueError(f"{path} line {n}: {len(cols)} columns, expected {n_cols} (a word, ..., its tag)"
+                                 if n_cols >= 2 else f"{path} line {n}: a word without a tag column")
+            if not words:
+                first = n
+            words.append(cols[0])
+            tags.append(cols[-1])
+    flush()
+    if not out:
+        raise ValueError(f"{path}: no sentences")
+    return out
+
+
+def tag_scheme(sentences: list[Sentence], path="") -> str:
+    """IOBES when E- / S- tags occur, IOB1 when a chunk starts with I- (after O or at the start of a sentence),
+    else IOB2; a tag that is not O nor B- / I- / E- / S-<type> is an error.
+
+    Example: [O, I-PER, I-PER] -> IOB1; [B-PER, I-PER, O] -> IOB2; [S-PER, O] -> IOBES."""
+    prefixes, i_start = set(), False
+    for s in sentences:
+        prev = "O"
+        for t in s.tags:
+            if t != "O" and (t[:2] not in ("B-", "I-", "E-", "S-") or len(t) < 3):
+                raise ValueError(f"{s.where}: tag {t!r} is not O or B-/I-/E-/S-<type>: unknown tag scheme")
+            prefixes.add(t[0])
+            i_start |= t[0] == "I" and (prev == "O" or prev[2:] != t[2:])
+            prev = t
+    if prefixes & {"E", "S"}:
+        return "IOBES"
+    return "IOB1" if i_start else "IOB2"
+
+
+def tag_labels(train: list[Sentence], dev: list[Sentence], path="") -> list[str]:
+    """The tag set of the training sentences ("O" first); a dev tag not among them is an error."""
+    labels = sorted({t for s in train for t in s.tags}, key=lambda t: (t != "O", t[2:], t))
+    known = set(labels)
+    for s in dev:
+        bad = [t for t in s.tags if t not in known]
+        if bad:
+            raise ValueError(f"{s.where}: tag {bad[0]!r} was not seen in training (tags: {', '.join(labels)})")
+    return labels
+
+
+def read(name: str, files: Files, splits, options, head: HeadConfig | None = None) -> Data:
+    """conll2003: its folder (eng.train, and eng.testa: its dev set); ner: CoNLL-format --train / --dev files (or
+    the last dev_fraction of the training sentences). A trained model's data must use its tags."""
+    train_file, dev_file, notes = files.train, files.dev, []
+    if name.lower() == "conll2003":
+        if files.data is None:
+            raise ValueError("task 'conll2003' needs its folder (--data conll2003/, with eng.train and eng.testa)")
+        train_file, dev_file = Path(files.data) / "eng.train", dev_file or Path(files.data) / "eng.testa"
+    elif files.data is not None:
+        train_file = train_file or files.data
+    need_train = "train" in splits or (dev_file is None and options.dev_fraction)
+    if need_train and train_file is None:
+        raise ValueError(f"task {name!r} needs a training file (--train)")
+    train = read_conll(train_file) if need_train else []
+    dev = read_conll(dev_file) if dev_file else []
+    if not dev_file and options.dev_fraction:
+        train, dev = holdout(train, options.dev_fraction)
+        notes.append(f"the last {len(dev)} sentences of {train_file} are the dev set")
+    if "dev" in splits and not dev:
+        raise ValueError(f"task {name!r} has no dev set: give a dev file or a dev fraction")
+    scheme = tag_scheme(train + dev)
+    labels = head.labels if head is not None else tag_labels(train, dev)
+    repaired = sum(invalid_starts(s.tags) for s in train + dev) if scheme != "IOB1" else 0
+    notes.append(f"tag scheme {scheme}" + (f"; {repaired} chunk(s) start with I- or E-, read as starts as conlleval "
+                                           f"does" if repaired else ""))
+    return Data(name.lower(), "tag", labels, ("f1", "precision", "recall"), train, {"": dev}, notes=notes)
+
+
+# --- features ---------------------------------------------------------------------------------------------
+
+def word_pieces(tok: WordPiece, words: list[str]) -> list[list[int]]:
+    """The piece ids of each word (as tokenizing the words one by one; a word may give no piece, e.g. a
+    control character)."""
+    text = " ".join(words)
+    enc = tok.encode(text)
+    bounds, pos = [], 0
+    for w in words:
+        bounds.append((pos, pos + len(w)))
+        pos += len(w) + 1
+    out, j = [[] for _ in words], 0
+    for piece, (start, _) in zip(enc.ids[1:-1], enc.offsets[1:-1]):
+        while bounds[j][1] <= start:
+            j += 1
+        out[j].append(piece)
+    return out
+
+
+@dataclass
+class TagFeatures:
+    """One row per sentence: ids ([CLS] context sentence context [SEP]), labels (IGNORE but on the first piece
+    of each of the sentence's words), first[i]: the position of word i's first piece (-1: it got no piece or
+    was cut); cut: the sentences that did not fit whole."""
+    ids: list
+    labels: list
+    first: list
+    pad_id: int
+    cut: list = field(default_factory=list)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def lengths(self):
+        return np.array([len(x) for x in self.ids], dtype=np.int64)
+
+    def collate(self, rows) -> dict[str, torch.Tensor]:
+        """idx, segment_ids, attention_mask, labels (B, T), padded to the longest row (labels with IGNORE)."""
+        idx, mask = pad([self.ids[i] for i in rows], self.pad_id)
+        labels = pad([self.labels[i] for i in rows], IGNORE)[0]
+        return {"idx": idx, "segment_ids": torch.zeros_like(idx), "attention_mask": mask, "labels": labels}
+
+
+def tag_features(sentences: list[Sentence], tok: WordPiece, labels: list[str], max_length: int = MAX_LENGTH,
+                 context: str = "sentence") -> TagFeatures:
+    """Features for tagging (see the module doc); untagged sentences get all-IGNORE labels."""
+    if context not in ("sentence", "document"):
+        raise ValueError(f"context must be 'sentence' or 'document', not {context!r}")
+    index = {t: i for i, t in enumerate(labels)}
+    pieces = [word_pieces(tok, s.words) for s in sentences]
+    budget = max_length - 2
+    out = TagFeatures([], [], [], tok.pad_id)
+    for n, (s, words) in enumerate(zip(sentences, pieces)):
+        ids, lab, first = [], [], []
+        for w, p in enumerate(words):
+            if p and len(ids) + len(p) <= budget:
+                first.append(len(ids) + 1)
+                lab += [index[s.tags[w]] if s.tags is not None else IGNORE] + [IGNORE] * (len(p) - 1)
+                ids += p
+            else:
+                first.append(-1)
+        if any(p and f < 0 for p, f in zip(words, first)):
+            out.cut.append(n)
+        left, right = [], []
+        if context == "document":
+            left, right = _neighbours(sentences, pieces, n, budget - len(ids))
+        shift = len(left)
+        out.ids.append([tok.cls_id] + left + ids + right + [tok.sep_id])
+        out.labels.append([IGNORE] * (1 + shift) + lab + [IGNORE] * (len(right) + 1))
+        out.first.append([f + shift if f >= 0 else -1 for f in first])
+    return out
+
+
+def _neighbours(sentences, pieces, n, room) -> tuple[list, list]:
+    """Up to `room` pieces of the same document around sentence n: half before, half after (the unused
+    half of one side goes to the other)."""
+    doc = sentences[n].doc
+    before = [p for k in range(n - 1, -1, -1) if sentences[k].doc == doc for p in _flat(pieces[k])[::-1]] \
+        if n and sentences[n - 1].doc == doc else []
+    after = []
+    for k in range(n + 1, len(sentences)):
+        if sentences[k].doc != doc or len(after) >= room:
+            break
+        after += _flat(pieces[k])
+    n_left = min(len(before), max(room // 2, room - len(after)))
+    n_right = min(len(after), room - n_left)
+    return before[:n_left][::-1], after[:n_right]
+
+
+def _flat(words):
+    return [p for w in words for p in w]
+
+
+def encode(sentences, tokenizer, head: HeadConfig, options=None) -> TagFeatures:
+    return tag_features(sentences, tokenizer, head.labels, head.max_length, options.context if options else "sentence")
+
+
+# --- the objective ----------------------------------------------------------------------------------------
+
+def tag_counts(batch: dict) -> dict[str, int]:
+    return {"tokens": int((batch["labels"] != IGNORE).sum())}
+
+
+def tag_loss(logits: torch.Tensor, batch: dict, norm: dict | None = None):
+    """Cross-entropy of logits (B, T, n_labels) at the labelled pieces (the first piece of each word); metrics
+    loss and accuracy over those pieces."""
+    n = max((norm or tag_counts(batch))["tokens"], 1)
+    labels = batch["labels"]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum") / n
+    return loss, {"loss": loss.detach(), "accuracy": (logits.argmax(-1) == labels).sum().float() / n}
+
+
+def objective(family: str, head: HeadConfig, lm_coef: float = 0.0) -> Objective:
+    return Objective(forward=lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"]), loss=tag_loss,
+                     counts=tag_counts, tokens=lambda b: b["idx"].numel())
+
+
+# --- prediction and scores --------------------------------------------------------------------------------
+
+def predict_tags(model, tok, sentences: list[Sentence], features=None, batch_size: int = 64):
+    """-> (tags, scores) per sentence: the argmax tag of each word's first piece and its probability (a word
+    without a piece, or cut off by max_length, gets "O" and probability 0)."""
+    head = model.head
+    features = features or tag_features(sentences, tok, head.labels, head.max_length)
+    tags, probs = [], []
+    outs = run_model(lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"]), model, features, batch_size)
+    for logits, first in zip(outs, features.first):
+        p = logits.softmax(-1)
+        tags.append([head.labels[int(p[f].argmax())] if f >= 0 else "O" for f in first])
+        probs.append([float(p[f].max()) if f >= 0 else 0.0 for f in first])
+    return tags, probs
+
+
+def score(model, tok, sentences, features=None, batch_size: int = 64) -> dict:
+    """conlleval's entity precision / recall / F1 (overall and per type) of the model on tagged sentences."""
+    pred, _ = predict_tags(model, tok, sentences, features, batch_size)
+    return entity_scores([s.tags for s in sentences], pred)
+
+
+def _words(tok: WordPiece, text: str) -> list[tuple[int, int]]:
+    """Character spans of the words of `text` as BERT splits them (whitespace and punctuation)."""
+    enc = tok.encode(text)
+    spans = []
+    for i, (a, b) in zip(enc.ids[1:-1], enc.offsets[1:-1]):
+        if spans and tok.inv[i].startswith("##"):
+            spans[-1] = (spans[-1][0], b)
+        else:
+            spans.append((a, b))
+    return spans
+
+
+def predict(model, tok, texts, batch_size: int = 64) -> list[list[dict]]:
+    """The entities of each text: {"type", "text", "start", "end" (characters), "score" (the mean probability
+    of its words' tags)}, words as BERT splits the text, chunks read by conlleval's rules."""
+    texts = list(texts)
+    spans = [_words(tok, t) for t in texts]
+    sentences = [Sentence([t[a:b] for a, b in sp], None) for t, sp in zip(texts, spans)]
+    tags, probs = predict_tags(model, tok, sentences, batch_size=batch_size)
+    out = []
+    for text, sp, tg, pr in zip(texts, spans, tags, probs):
+        out.append([{"type": type_, "text": text[sp[i][0]:sp[j][1]], "start": sp[i][0], "end": sp[j][1],
+                     "score": sum(pr[i:j + 1]) / (j + 1 - i)} for type_, i, j in entities(tg)])
+    return out
+
+
+def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
+    if family != "bert":
+        raise ValueError(f"task {data.name!r} tags word pieces: it needs a BERT model with a WordPiece vocabulary")
+    return HeadConfig("tag", data.labels, data.name, min(options.max_length or MAX_LENGTH, block_size))
+
+
+TASK = Task(name="tagging", kinds=("tag",), names=("conll2003", "ner"), unit="training sentences", read=read,
+            head=make_head, encode=encode, objective=objective, predict=predict, score=score)
