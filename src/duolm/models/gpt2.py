@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 # Largest sizes a config may declare (far above every released model), checked before allocation.
 LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16}
-# The embedding matrix has vocab_size rows rounded up to this multiple: output rows of a multiple of
-# 64 floats make the output matmul ~1.5x faster on CPU than GPT-2's odd 50,257 (see GPT2.head).
+# The embedding matrix has vocab_size rows rounded up to this multiple, so that the output matmul writes
+# rows of logits aligned to whole cache lines and SIMD blocks (GPT-2's odd 50,257 is not). The padding
+# rows are zero and sliced off the logits (GPT2.head).
 VOCAB_ALIGN = 64
 
 
@@ -303,19 +304,9 @@ class GPT2(nn.Module):
 
     def head(self, h):
         """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view of rows padded to
-        padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view).
-
-        Decoding 2-16 rows without autograd goes in slices of 1024 vocabulary rows: MKL's sgemm with
-        so few rows against the whole (V, C) matrix runs ~3x slower than the same work in slices
-        (batch 8: ~50 ms -> ~14 ms per step on 2 cores); each slice is exact, only the kernel differs."""
-        w, V = self.wte.weight, self.config.vocab_size
-        rows = h.numel() // h.shape[-1]
-        if 1 < rows <= 16 and not torch.is_grad_enabled() and h.dtype == w.dtype:
-            out = h.new_empty(rows, w.shape[0])
-            for i in range(0, w.shape[0], 1024):
-                torch.mm(h.reshape(rows, -1), w[i:i + 1024].t(), out=out[:, i:i + 1024])
-            return out.view(*h.shape[:-1], -1)[..., :V]
-        return F.linear(h, w)[..., :V]
+        padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view); the padding rows of
+        wte are zero and are sliced off, so they never show."""
+        return F.linear(h, self.wte.weight)[..., :self.config.vocab_size]
 
     def forward(self, idx, attention_mask=None, cache=None):
         """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""
