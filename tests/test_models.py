@@ -9,6 +9,7 @@ import torch
 from duolm.convert import hf as conv
 from duolm.models import (GPT2, Bert, BertConfig, BertForPreTraining, BertMLMHead, BertNSPHead,
                           GPT2Config, KVCache)
+from duolm.models.heads import BertForSequence, GPT2ForSequence, HeadConfig
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -189,12 +190,40 @@ def test_bert_pretraining_matches_transformers_with_padding(attn):
     # a padded row's real positions do not depend on the padding
     alone, _ = ours.bert(idx[2:3, :6], seg[2:3, :6])
     torch.testing.assert_close(hidden[2, :6], alone[0], atol=ATOL, rtol=0)
-    # cls_only (what sequence heads use): the last layer at [CLS] only, the same pooled output as transformers'
-    first, pooled_first = ours.bert(idx, seg, mask, cls_only=True)
-    assert first.shape == (3, 1, hidden.shape[-1])
-    torch.testing.assert_close(first[:, 0], out.hidden_states[-1][:, 0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(pooled_first, theirs.bert(idx, token_type_ids=seg, attention_mask=mask).pooler_output,
-                               atol=ATOL, rtol=0)
+    # pooled (what sequence heads use): the last layer at [CLS] only, the same pooled output as transformers'
+    want = theirs.bert(idx, token_type_ids=seg, attention_mask=mask).pooler_output
+    torch.testing.assert_close(ours.bert.pooled(idx, seg, mask), want, atol=ATOL, rtol=0)
+
+
+def test_bert_pooled_equals_forward_and_its_gradients():
+    """Bert.pooled computes the last layer at [CLS] only: the pooled output of the full forward within
+    1e-6 (eval, padded rows, random weights), and the same gradients for every parameter (dropout 0)."""
+    torch.manual_seed(3)
+    model = Bert(BertConfig.preset("tiny", dropout=0.0))
+    scramble(model)
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.randint(1, 512, (4, 24), generator=gen)
+    seg = (torch.arange(24) >= 10).long().expand(4, 24)
+    mask = torch.ones_like(idx)
+    mask[1, 17:] = 0
+    mask[2, 3:] = 0
+    idx[mask == 0] = 0
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(model.pooled(idx, seg, mask), model(idx, seg, mask)[1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(model.pooled(idx), model(idx)[1], atol=1e-6, rtol=0)   # default ids and mask
+    model.train()
+    target = torch.randn(4, 64, generator=gen)
+    grads = []
+    for pooled in (lambda: model.pooled(idx, seg, mask), lambda: model(idx, seg, mask)[1]):
+        model.zero_grad()
+        ((pooled() - target) ** 2).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    fast, full = grads
+    assert fast.keys() == full.keys() and "h.1.attn.c_attn.weight" in fast
+    for name in full:     # equal up to fp32 rounding: within 2e-6 of each gradient's largest entry
+        scale = full[name].abs().max().item()
+        torch.testing.assert_close(fast[name], full[name], atol=2e-6 * scale, rtol=0, msg=name)
 
 
 @torch.no_grad()
@@ -310,6 +339,41 @@ def test_bert_init_statistics():
         elif p.numel() > 10_000:
             assert abs(p.std().item() - 0.02) < 0.002, name
     assert torch.all(m.bert.wte.weight[0] == 0)    # the [PAD] row, as HF's padding_idx
+
+
+# ------------------------------------------------------------------ sequence heads
+
+@torch.no_grad()
+def test_gpt2_for_sequence_gives_both_heads_and_classify_the_task_head():
+    """forward: GPT-1's two heads over one pass, the task logits from the last real token's state (the
+    states of S orderings summed) and GPT2's own LM logits; classify: the task logits alone, the same."""
+    torch.manual_seed(5)
+    m = GPT2ForSequence(GPT2Config.preset("tiny", vocab_size=500), HeadConfig("classify", ["a", "b", "c"])).eval()
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.arange(3)
+    idx, last = torch.randint(0, 500, (3, 10), generator=gen), torch.tensor([9, 4, 0])
+    logits, lm_logits = m(idx, last)
+    torch.testing.assert_close(logits, m.gpt2.hidden(idx)[rows, last] @ m.score.weight.T, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lm_logits, m.gpt2(idx), atol=1e-6, rtol=0)
+    torch.testing.assert_close(m.classify(idx, last), logits, atol=0, rtol=0)
+    pairs, lasts = torch.randint(0, 500, (3, 2, 10), generator=gen), torch.tensor([[9, 9], [4, 6], [0, 2]])
+    logits, lm_logits = m(pairs, lasts)
+    summed = sum(m.gpt2.hidden(pairs[:, s])[rows, lasts[:, s]] for s in range(2))
+    torch.testing.assert_close(logits, summed @ m.score.weight.T, atol=1e-5, rtol=0)
+    assert lm_logits.shape == (3, 2, 10, 500)
+    for s in range(2):
+        torch.testing.assert_close(lm_logits[:, s], m.gpt2(pairs[:, s]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.classify(pairs, lasts), logits, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_bert_for_sequence_reads_the_pooled_output():
+    torch.manual_seed(7)
+    m = BertForSequence(BertConfig.preset("tiny"), HeadConfig("regress")).eval()
+    idx = torch.randint(1, 512, (2, 12), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(idx)
+    mask[1, 5:] = 0
+    torch.testing.assert_close(m(idx, None, mask), m.fc(m.bert(idx, None, mask)[1]), atol=1e-6, rtol=0)
 
 
 # ------------------------------------------------------------------ training behaviour
