@@ -456,7 +456,8 @@ def test_gpt2_bad_input_raises_before_compute():
         (torch.zeros(0, 4, dtype=torch.long), {}, "batch size 0"),
         (torch.zeros(2, 0, dtype=torch.long), {}, "sequence length 0"),
         (torch.zeros(1, 65, dtype=torch.long), {}, "65.*block_size=64"),
-        (torch.zeros(1, 4), {}, "dtype"),
+        (torch.zeros(1, 4), {}, "idx must hold integer ids.*float32"),
+        (torch.zeros(1, 4, dtype=torch.bool), {}, "idx must hold integer ids.*bool"),
         (torch.zeros(2, 4, dtype=torch.long), {"attention_mask": torch.ones(2, 5)}, r"\(2, 4\).*\(2, 5\)"),
     ]
     for idx, kw, msg in cases:
@@ -486,6 +487,99 @@ def test_bert_bad_input_raises_before_compute():
         m(ok, segment_ids=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"attention_mask.*\(2, 4\).*\(4,\)"):
         m(ok, attention_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="idx must hold integer ids.*float32"):
+        m(torch.zeros(2, 4))
+
+
+# ------------------------------------------------------------------ token ids outside the tables
+
+# The boundaries of a 500-word vocabulary: -1, 500, 511 (GPT-2's table has 512 rows, the last 12 alignment
+# padding that reads zeros), 2**62; int32 ids too (what F.embedding also takes).
+BAD_IDS = [(-1, torch.int64), (500, torch.int64), (511, torch.int64), (2 ** 62, torch.int64),
+           (-1, torch.int32), (511, torch.int32)]
+
+
+@pytest.mark.parametrize("bad, dtype", BAD_IDS)
+def test_gpt2_refuses_ids_outside_the_vocabulary(bad, dtype):
+    m = GPT2(GPT2Config.preset("tiny", vocab_size=500)).eval()
+    idx = torch.tensor([[5, 499, 0], [7, bad, 3]], dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^idx\[1, 1\] = {bad} is outside \[0, vocab_size=500\)$"):
+        m(idx)
+    cache = KVCache(m.config, 2)
+    m(torch.tensor([[1, 2], [3, 4]], dtype=dtype), cache=cache)
+    with pytest.raises(ValueError, match=rf"^idx\[1, 0\] = {bad} is outside \[0, vocab_size=500\)$"):
+        m(idx[:, 1:2], cache=cache)
+    with pytest.raises(ValueError, match="sequence length 0"):
+        m(idx[:, :0], cache=cache)
+    with pytest.raises(ValueError, match="idx must hold integer ids.*float32"):
+        m(idx[:, :1].float(), cache=cache)
+    assert cache.length == 2                           # nothing was written
+    with torch.no_grad():                              # the boundary ids themselves are fine, with the cache too
+        full = m(torch.tensor([[1, 2, 0, 499]], dtype=dtype))
+        cache = KVCache(m.config, 1)
+        m(torch.tensor([[1, 2]], dtype=dtype), cache=cache)
+        step = m(torch.tensor([[0, 499]], dtype=dtype), cache=cache)
+        torch.testing.assert_close(step, full[:, 2:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad, dtype", [b for b in BAD_IDS if b[0] != 511])   # BERT's table has no padding rows
+def test_bert_refuses_ids_outside_the_vocabulary_and_segments(bad, dtype):
+    m = Bert(BertConfig.preset("tiny", vocab_size=500)).eval()
+    idx = torch.tensor([[5, 499, 0], [7, bad, 3]], dtype=dtype)
+    for forward in (m, m.pooled):
+        with pytest.raises(ValueError, match=rf"^idx\[1, 1\] = {bad} is outside \[0, vocab_size=500\)$"):
+            forward(idx)
+    ok = idx.clamp(0, 499)
+    for seg_bad in (-1, 2, 2 ** 62):
+        seg = torch.tensor([[0, 1, 1], [0, 0, seg_bad]])
+        with pytest.raises(ValueError, match=rf"^segment_ids\[1, 2\] = {seg_bad} is outside "
+                                             rf"\[0, type_vocab_size=2\)$"):
+            m(ok, segment_ids=seg)
+    with pytest.raises(ValueError, match="segment_ids must hold integer ids.*float32"):
+        m(ok, segment_ids=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="sequence length 0"):
+        m(idx[:, :0])
+    with torch.no_grad():                              # the boundary ids themselves are fine
+        h, _ = m(torch.tensor([[0, 499]], dtype=dtype), segment_ids=torch.tensor([[0, 1]], dtype=dtype))
+    assert h.shape == (1, 2, 64) and torch.isfinite(h).all()
+
+
+def test_positions_past_the_context_are_refused():
+    """block_size positions are the context: exactly that many are accepted, one more is refused, with a
+    cache counting the positions already in it."""
+    g = GPT2(GPT2Config.preset("tiny")).eval()
+    b = Bert(BertConfig.preset("tiny")).eval()
+    with torch.no_grad():
+        assert g(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 512)
+        assert b(torch.zeros(1, 64, dtype=torch.long))[0].shape == (1, 64, 64)
+        with pytest.raises(ValueError, match=r"sequence length 65 \(cache 0 \+ new 65\) exceeds the context "
+                                             r"block_size=64"):
+            g(torch.zeros(1, 65, dtype=torch.long))
+        with pytest.raises(ValueError, match="sequence length 65 exceeds the context block_size=64"):
+            b(torch.zeros(1, 65, dtype=torch.long))
+        cache = KVCache(g.config, 1)
+        g(torch.zeros(1, 63, dtype=torch.long), cache=cache)
+        g(torch.zeros(1, 1, dtype=torch.long), cache=cache)               # position 63, the last
+        with pytest.raises(ValueError, match=r"sequence length 65 \(cache 64 \+ new 1\) exceeds the context "
+                                             r"block_size=64"):
+            g(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    assert cache.length == 64
+
+
+def test_compiled_forward_refuses_bad_ids_on_the_device():
+    """Under torch.compile the range check is torch._assert_async, traced into the graph (no graph break):
+    a bad id is still refused, as the RuntimeError that op raises on CPU, naming the range."""
+    torch._dynamo.reset()
+    g = GPT2(GPT2Config.preset("tiny", vocab_size=500)).eval()
+    b = Bert(BertConfig.preset("tiny")).eval()
+    fg = torch.compile(g, backend="eager", fullgraph=True)
+    fb = torch.compile(b, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fg(torch.tensor([[3, 499]])), g(torch.tensor([[3, 499]])))
+        with pytest.raises(RuntimeError, match=r"idx: an id is outside \[0, vocab_size=500\)"):
+            fg(torch.tensor([[3, 511]]))
+        with pytest.raises(RuntimeError, match=r"segment_ids: an id is outside \[0, type_vocab_size=2\)"):
+            fb(torch.tensor([[3, 4]]), torch.tensor([[0, 2]]))
 
 
 # ------------------------------------------------------------------ name tables and configs

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from duolm.models.gpt2 import check_sizes
+from duolm.models.gpt2 import check_ids, check_sizes
 
 # Largest sizes a config may declare, checked before allocation.
 LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16,
@@ -188,18 +188,17 @@ class Bert(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
-        if idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must hold integer token ids (int64), got dtype {idx.dtype}")
         B, T = idx.shape
         if B == 0 or T == 0:
             raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size="
                              f"{self.config.block_size}; truncate the input")
-        # Token and segment ids are checked where they enter (tokenizers, data loaders, fill_mask): a
-        # range check here would cost a host-device sync per forward and break torch.compile graphs.
-        if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-            raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
+        check_ids(idx, self.config.vocab_size, "idx", "vocab_size")
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (B, T):
+                raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
+            check_ids(segment_ids, self.config.type_vocab_size, "segment_ids", "type_vocab_size")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
 
@@ -220,7 +219,10 @@ class Bert(nn.Module):
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
         """idx (B, T), segment_ids (B, T) of 0/1 (default all 0), attention_mask (B, T) of 0/1
-        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C))."""
+        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C)).
+
+        Ids outside [0, vocab_size) or [0, type_vocab_size) and T > block_size are a ValueError (on CUDA
+        and under torch.compile the id range is checked on the device: see check_ids)."""
         x, mask = self._embed(idx, segment_ids, attention_mask)
         for block in self.h:
             x = block(x, mask)
