@@ -191,6 +191,21 @@ def test_min_frequency_and_determinism():
     assert b"rare" in {a + b for a, b in ByteLevelBPE.train(texts, 1000, min_frequency=1)._merges}
 
 
+def test_training_reports_progress_and_prints_nothing(capsys):
+    """progress(done, total) after each merge: done 1, 2, ... up to total = the merges asked for; when the
+    pairs run out first, a last call (done, done). Nothing reaches stdout or stderr."""
+    texts = ["low lower lowest newer wider new"] * 3
+    calls = []
+    tok = ByteLevelBPE.train(texts, 256 + 1 + 10, progress=lambda done, total: calls.append((done, total)))
+    assert len(tok._merges) == 10 and calls == [(i, 10) for i in range(1, 11)]
+    calls.clear()
+    tok = ByteLevelBPE.train(texts, 1000, progress=lambda done, total: calls.append((done, total)))
+    n = len(tok._merges)
+    assert 10 < n < 1000 - 257                                    # the pairs ran out
+    assert calls == [(i, 1000 - 257) for i in range(1, n + 1)] + [(n, n)]
+    assert capsys.readouterr() == ("", "")
+
+
 # --- where a text may be cut ----------------------------------------------------------------------------
 
 _FRAGMENTS = st.sampled_from(["a", "Ab", " ", "  ", "\n", "\n ", " \n", "\n\n", "\r\n", "\t", "é", "日本", "1", "!?",

@@ -1,5 +1,6 @@
 """`duolm tokenizer train|encode` through the command's own entry point."""
 import ast
+import re
 
 import pytest
 
@@ -24,10 +25,13 @@ def _printed(out: str, label: str):
 def test_tokenizer_train_then_encode(kind, cls, size, corpus, tmp_path, capsys):
     out = tmp_path / "tok"
     main(["tokenizer", "train", "--kind", kind, "--vocab-size", str(size), str(corpus), "-o", str(out)])
-    summary = capsys.readouterr().out
+    summary, bar = capsys.readouterr()
     tok = load_tokenizer(out)
     assert isinstance(tok, cls) and tok.vocab_size == size
     assert f"vocab {size}" in summary and str(out) in summary
+    # the library's progress callback drives the command's bar (on stderr), up to the merges learned
+    percent, done, total = re.findall(rf"{kind} merges: +(\d+)%\|.*?\| (\d+)/(\d+) ", bar)[-1]
+    assert percent == "100" and done == total and (kind != "bpe" or total == str(size - 257))
 
     text = "To be, or not to be: that is the question."
     main(["tokenizer", "encode", str(out), text])

@@ -391,6 +391,31 @@ def test_decode_layout_matches_plain():
     assert all(p.requires_grad for p in model.parameters())
 
 
+def test_decode_layout_head_equals_the_plain_head():
+    """The decode layout's output layer, as decoding calls it (no autograd): one row through the (in, out)
+    copy, 2-16 rows in vocabulary slices (a vocabulary of 2500 rows padded to 2560: slices of 1024, 1024,
+    512), more rows as GPT2.head. Every path equals the plain tied layer within 1e-6."""
+    from duolm.decoding import HEAD_SLICE, HEAD_SLICE_ROWS, decode_layout, sliced_head
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=2500, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval()
+    d = decode_layout(model)
+    assert HEAD_SLICE_ROWS == 16 and model.wte.weight.shape[0] % HEAD_SLICE
+    w = model.wte.weight
+    for n in (1, 2, 8, 16, 17):
+        h = torch.randn(n, 32)
+        plain = torch.nn.functional.linear(h, w[:2500])
+        with torch.inference_mode():
+            got = d.head(h)
+            assert got.shape == (n, 2500)
+            torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
+            torch.testing.assert_close(sliced_head(h, w, 2500), plain, atol=1e-6, rtol=0)
+            torch.testing.assert_close(d.head(h[:, None]), plain[:, None], atol=1e-6, rtol=0)   # (B, 1, C) too
+    # with autograd the decode layout is GPT2.head (the slices are written in place)
+    h = torch.randn(8, 32, requires_grad=True)
+    torch.testing.assert_close(d.head(h), model.head(h), atol=0, rtol=0)
+    assert d.head(h).requires_grad
+
+
 # ---------------------------------------------------------------------------------------------
 # text out: UTF-8-safe streaming and stop strings
 

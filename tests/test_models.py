@@ -9,6 +9,7 @@ import torch
 from duolm.convert import hf as conv
 from duolm.models import (GPT2, Bert, BertConfig, BertForPreTraining, BertMLMHead, BertNSPHead,
                           GPT2Config, KVCache)
+from duolm.models.heads import BertForSequence, GPT2ForSequence, HeadConfig
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -189,12 +190,40 @@ def test_bert_pretraining_matches_transformers_with_padding(attn):
     # a padded row's real positions do not depend on the padding
     alone, _ = ours.bert(idx[2:3, :6], seg[2:3, :6])
     torch.testing.assert_close(hidden[2, :6], alone[0], atol=ATOL, rtol=0)
-    # cls_only (what sequence heads use): the last layer at [CLS] only, the same pooled output as transformers'
-    first, pooled_first = ours.bert(idx, seg, mask, cls_only=True)
-    assert first.shape == (3, 1, hidden.shape[-1])
-    torch.testing.assert_close(first[:, 0], out.hidden_states[-1][:, 0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(pooled_first, theirs.bert(idx, token_type_ids=seg, attention_mask=mask).pooler_output,
-                               atol=ATOL, rtol=0)
+    # pooled (what sequence heads use): the last layer at [CLS] only, the same pooled output as transformers'
+    want = theirs.bert(idx, token_type_ids=seg, attention_mask=mask).pooler_output
+    torch.testing.assert_close(ours.bert.pooled(idx, seg, mask), want, atol=ATOL, rtol=0)
+
+
+def test_bert_pooled_equals_forward_and_its_gradients():
+    """Bert.pooled computes the last layer at [CLS] only: the pooled output of the full forward within
+    1e-6 (eval, padded rows, random weights), and the same gradients for every parameter (dropout 0)."""
+    torch.manual_seed(3)
+    model = Bert(BertConfig.preset("tiny", dropout=0.0))
+    scramble(model)
+    gen = torch.Generator().manual_seed(4)
+    idx = torch.randint(1, 512, (4, 24), generator=gen)
+    seg = (torch.arange(24) >= 10).long().expand(4, 24)
+    mask = torch.ones_like(idx)
+    mask[1, 17:] = 0
+    mask[2, 3:] = 0
+    idx[mask == 0] = 0
+    with torch.no_grad():
+        model.eval()
+        torch.testing.assert_close(model.pooled(idx, seg, mask), model(idx, seg, mask)[1], atol=1e-6, rtol=0)
+        torch.testing.assert_close(model.pooled(idx), model(idx)[1], atol=1e-6, rtol=0)   # default ids and mask
+    model.train()
+    target = torch.randn(4, 64, generator=gen)
+    grads = []
+    for pooled in (lambda: model.pooled(idx, seg, mask), lambda: model(idx, seg, mask)[1]):
+        model.zero_grad()
+        ((pooled() - target) ** 2).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    fast, full = grads
+    assert fast.keys() == full.keys() and "h.1.attn.c_attn.weight" in fast
+    for name in full:     # equal up to fp32 rounding: within 2e-6 of each gradient's largest entry
+        scale = full[name].abs().max().item()
+        torch.testing.assert_close(fast[name], full[name], atol=2e-6 * scale, rtol=0, msg=name)
 
 
 @torch.no_grad()
@@ -312,6 +341,41 @@ def test_bert_init_statistics():
     assert torch.all(m.bert.wte.weight[0] == 0)    # the [PAD] row, as HF's padding_idx
 
 
+# ------------------------------------------------------------------ sequence heads
+
+@torch.no_grad()
+def test_gpt2_for_sequence_gives_both_heads_and_classify_the_task_head():
+    """forward: GPT-1's two heads over one pass, the task logits from the last real token's state (the
+    states of S orderings summed) and GPT2's own LM logits; classify: the task logits alone, the same."""
+    torch.manual_seed(5)
+    m = GPT2ForSequence(GPT2Config.preset("tiny", vocab_size=500), HeadConfig("classify", ["a", "b", "c"])).eval()
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.arange(3)
+    idx, last = torch.randint(0, 500, (3, 10), generator=gen), torch.tensor([9, 4, 0])
+    logits, lm_logits = m(idx, last)
+    torch.testing.assert_close(logits, m.gpt2.hidden(idx)[rows, last] @ m.score.weight.T, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lm_logits, m.gpt2(idx), atol=1e-6, rtol=0)
+    torch.testing.assert_close(m.classify(idx, last), logits, atol=0, rtol=0)
+    pairs, lasts = torch.randint(0, 500, (3, 2, 10), generator=gen), torch.tensor([[9, 9], [4, 6], [0, 2]])
+    logits, lm_logits = m(pairs, lasts)
+    summed = sum(m.gpt2.hidden(pairs[:, s])[rows, lasts[:, s]] for s in range(2))
+    torch.testing.assert_close(logits, summed @ m.score.weight.T, atol=1e-5, rtol=0)
+    assert lm_logits.shape == (3, 2, 10, 500)
+    for s in range(2):
+        torch.testing.assert_close(lm_logits[:, s], m.gpt2(pairs[:, s]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(m.classify(pairs, lasts), logits, atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_bert_for_sequence_reads_the_pooled_output():
+    torch.manual_seed(7)
+    m = BertForSequence(BertConfig.preset("tiny"), HeadConfig("regress")).eval()
+    idx = torch.randint(1, 512, (2, 12), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(idx)
+    mask[1, 5:] = 0
+    torch.testing.assert_close(m(idx, None, mask), m.fc(m.bert(idx, None, mask)[1]), atol=1e-6, rtol=0)
+
+
 # ------------------------------------------------------------------ training behaviour
 
 def test_gradients_flow_to_every_parameter():
@@ -392,7 +456,8 @@ def test_gpt2_bad_input_raises_before_compute():
         (torch.zeros(0, 4, dtype=torch.long), {}, "batch size 0"),
         (torch.zeros(2, 0, dtype=torch.long), {}, "sequence length 0"),
         (torch.zeros(1, 65, dtype=torch.long), {}, "65.*block_size=64"),
-        (torch.zeros(1, 4), {}, "dtype"),
+        (torch.zeros(1, 4), {}, "idx must hold integer ids.*float32"),
+        (torch.zeros(1, 4, dtype=torch.bool), {}, "idx must hold integer ids.*bool"),
         (torch.zeros(2, 4, dtype=torch.long), {"attention_mask": torch.ones(2, 5)}, r"\(2, 4\).*\(2, 5\)"),
     ]
     for idx, kw, msg in cases:
@@ -422,6 +487,99 @@ def test_bert_bad_input_raises_before_compute():
         m(ok, segment_ids=torch.zeros(2, 3, dtype=torch.long))
     with pytest.raises(ValueError, match=r"attention_mask.*\(2, 4\).*\(4,\)"):
         m(ok, attention_mask=torch.ones(4))
+    with pytest.raises(ValueError, match="idx must hold integer ids.*float32"):
+        m(torch.zeros(2, 4))
+
+
+# ------------------------------------------------------------------ token ids outside the tables
+
+# The boundaries of a 500-word vocabulary: -1, 500, 511 (GPT-2's table has 512 rows, the last 12 alignment
+# padding that reads zeros), 2**62; int32 ids too (what F.embedding also takes).
+BAD_IDS = [(-1, torch.int64), (500, torch.int64), (511, torch.int64), (2 ** 62, torch.int64),
+           (-1, torch.int32), (511, torch.int32)]
+
+
+@pytest.mark.parametrize("bad, dtype", BAD_IDS)
+def test_gpt2_refuses_ids_outside_the_vocabulary(bad, dtype):
+    m = GPT2(GPT2Config.preset("tiny", vocab_size=500)).eval()
+    idx = torch.tensor([[5, 499, 0], [7, bad, 3]], dtype=dtype)
+    with pytest.raises(ValueError, match=rf"^idx\[1, 1\] = {bad} is outside \[0, vocab_size=500\)$"):
+        m(idx)
+    cache = KVCache(m.config, 2)
+    m(torch.tensor([[1, 2], [3, 4]], dtype=dtype), cache=cache)
+    with pytest.raises(ValueError, match=rf"^idx\[1, 0\] = {bad} is outside \[0, vocab_size=500\)$"):
+        m(idx[:, 1:2], cache=cache)
+    with pytest.raises(ValueError, match="sequence length 0"):
+        m(idx[:, :0], cache=cache)
+    with pytest.raises(ValueError, match="idx must hold integer ids.*float32"):
+        m(idx[:, :1].float(), cache=cache)
+    assert cache.length == 2                           # nothing was written
+    with torch.no_grad():                              # the boundary ids themselves are fine, with the cache too
+        full = m(torch.tensor([[1, 2, 0, 499]], dtype=dtype))
+        cache = KVCache(m.config, 1)
+        m(torch.tensor([[1, 2]], dtype=dtype), cache=cache)
+        step = m(torch.tensor([[0, 499]], dtype=dtype), cache=cache)
+        torch.testing.assert_close(step, full[:, 2:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad, dtype", [b for b in BAD_IDS if b[0] != 511])   # BERT's table has no padding rows
+def test_bert_refuses_ids_outside_the_vocabulary_and_segments(bad, dtype):
+    m = Bert(BertConfig.preset("tiny", vocab_size=500)).eval()
+    idx = torch.tensor([[5, 499, 0], [7, bad, 3]], dtype=dtype)
+    for forward in (m, m.pooled):
+        with pytest.raises(ValueError, match=rf"^idx\[1, 1\] = {bad} is outside \[0, vocab_size=500\)$"):
+            forward(idx)
+    ok = idx.clamp(0, 499)
+    for seg_bad in (-1, 2, 2 ** 62):
+        seg = torch.tensor([[0, 1, 1], [0, 0, seg_bad]])
+        with pytest.raises(ValueError, match=rf"^segment_ids\[1, 2\] = {seg_bad} is outside "
+                                             rf"\[0, type_vocab_size=2\)$"):
+            m(ok, segment_ids=seg)
+    with pytest.raises(ValueError, match="segment_ids must hold integer ids.*float32"):
+        m(ok, segment_ids=torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="sequence length 0"):
+        m(idx[:, :0])
+    with torch.no_grad():                              # the boundary ids themselves are fine
+        h, _ = m(torch.tensor([[0, 499]], dtype=dtype), segment_ids=torch.tensor([[0, 1]], dtype=dtype))
+    assert h.shape == (1, 2, 64) and torch.isfinite(h).all()
+
+
+def test_positions_past_the_context_are_refused():
+    """block_size positions are the context: exactly that many are accepted, one more is refused, with a
+    cache counting the positions already in it."""
+    g = GPT2(GPT2Config.preset("tiny")).eval()
+    b = Bert(BertConfig.preset("tiny")).eval()
+    with torch.no_grad():
+        assert g(torch.zeros(1, 64, dtype=torch.long)).shape == (1, 64, 512)
+        assert b(torch.zeros(1, 64, dtype=torch.long))[0].shape == (1, 64, 64)
+        with pytest.raises(ValueError, match=r"sequence length 65 \(cache 0 \+ new 65\) exceeds the context "
+                                             r"block_size=64"):
+            g(torch.zeros(1, 65, dtype=torch.long))
+        with pytest.raises(ValueError, match="sequence length 65 exceeds the context block_size=64"):
+            b(torch.zeros(1, 65, dtype=torch.long))
+        cache = KVCache(g.config, 1)
+        g(torch.zeros(1, 63, dtype=torch.long), cache=cache)
+        g(torch.zeros(1, 1, dtype=torch.long), cache=cache)               # position 63, the last
+        with pytest.raises(ValueError, match=r"sequence length 65 \(cache 64 \+ new 1\) exceeds the context "
+                                             r"block_size=64"):
+            g(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    assert cache.length == 64
+
+
+def test_compiled_forward_refuses_bad_ids_on_the_device():
+    """Under torch.compile the range check is torch._assert_async, traced into the graph (no graph break):
+    a bad id is still refused, as the RuntimeError that op raises on CPU, naming the range."""
+    torch._dynamo.reset()
+    g = GPT2(GPT2Config.preset("tiny", vocab_size=500)).eval()
+    b = Bert(BertConfig.preset("tiny")).eval()
+    fg = torch.compile(g, backend="eager", fullgraph=True)
+    fb = torch.compile(b, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(fg(torch.tensor([[3, 499]])), g(torch.tensor([[3, 499]])))
+        with pytest.raises(RuntimeError, match=r"idx: an id is outside \[0, vocab_size=500\)"):
+            fg(torch.tensor([[3, 511]]))
+        with pytest.raises(RuntimeError, match=r"segment_ids: an id is outside \[0, type_vocab_size=2\)"):
+            fb(torch.tensor([[3, 4]]), torch.tensor([[0, 2]]))
 
 
 # ------------------------------------------------------------------ name tables and configs
@@ -518,16 +676,3 @@ def test_real_pretrained_bert_weights_match_transformers():
     out = theirs(idx, attention_mask=mask)
     torch.testing.assert_close(h, out.last_hidden_state, atol=1e-4, rtol=0)
     torch.testing.assert_close(p, out.pooler_output, atol=1e-4, rtol=0)
-
-
-def test_gpt2_head_few_rows_equals_plain_linear():
-    # Without autograd 2..16 rows (decoding a batch) go in vocabulary slices, more rows in one matmul.
-    # Both must equal F.linear over the real vocabulary rows.
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=2500, block_size=16, n_layer=1, n_head=2, n_embd=32)
-    model = GPT2(cfg).eval()
-    for n in (1, 2, 8, 16, 17):
-        h = torch.randn(n, cfg.n_embd)
-        ref = torch.nn.functional.linear(h, model.wte.weight[:2500])
-        with torch.no_grad():
-            assert torch.allclose(model.head(h), ref, atol=1e-5, rtol=1e-5)

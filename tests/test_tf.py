@@ -5,6 +5,7 @@ The fixtures (tests/fixtures/tf/) were written once by real TensorFlow with the 
 and shapes; make_fixtures.py there says how. TensorFlow is not needed here."""
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -46,10 +47,21 @@ def test_crc32c_known_values():
     assert crc32c.crc32c(b"") == 0
 
 
-@pytest.mark.parametrize("n", [1, 3, 63, 64, 65, 511, 512, 4096 + 3, 65536 * 4 + 13, 1 << 20])
-def test_crc32c_lanes_equal_the_byte_loop(n):
-    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
-    assert crc32c.crc32c(data) == crc32c._crc_plain(0xFFFFFFFF, data) ^ 0xFFFFFFFF
+def test_crc32c_takes_what_the_reader_passes(tmp_path):
+    """The reader checks memory-mapped slices of a shard (numpy arrays), tests pass bytes: both, and
+    memoryviews, give the CRC of the same bytes."""
+    data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
+    (tmp_path / "shard").write_bytes(data.tobytes())
+    mapped = np.memmap(tmp_path / "shard", dtype=np.uint8, mode="c")
+    want = crc32c.crc32c(data[3:70001].tobytes())
+    assert crc32c.crc32c(mapped[3:70001]) == crc32c.crc32c(memoryview(data)[3:70001]) == want
+
+
+def test_crc32c_without_the_package_says_which_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "google_crc32c", None)      # import google_crc32c -> ImportError
+    with pytest.raises(ImportError, match=r"^reading TensorFlow checkpoints needs google-crc32c.*"
+                                          r"pip install 'duolm\[tf\]'$"):
+        crc32c.crc32c(b"123456789")
 
 
 def test_unmask_undoes_tfs_mask():

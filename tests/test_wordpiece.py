@@ -182,7 +182,7 @@ def plain_wordpiece_merges(counts, n_merges, known, min_frequency):
        st.integers(0, 30), st.integers(1, 3))
 def test_incremental_training_equals_plain_training(counts, n_merges, min_frequency):
     known = {t for w in counts for c in w for t in (c, "##" + c)}
-    assert wp._learn_merges(Counter(counts), n_merges, set(known), min_frequency, False) == \
+    assert wp._learn_merges(Counter(counts), n_merges, set(known), min_frequency) == \
         plain_wordpiece_merges(counts, n_merges, set(known), min_frequency)
 
 
@@ -423,6 +423,19 @@ def test_train_worked_example():
     assert tok.tokenize("aaab ab aab") == ["a", "##aab", "a", "##b", "a", "##a", "##b"]
     with pytest.raises(ValueError, match="vocab_size 3"):
         WordPiece.train(["abc"], vocab_size=3)
+
+
+def test_training_reports_progress_and_prints_nothing(capsys):
+    """progress(done, total) after each new piece: done 1, 2, ... up to total = the pieces asked for; when
+    the pairs run out first, a last call (done, done). Nothing reaches stdout or stderr."""
+    calls = []
+    tok = WordPiece.train(["aaab aaab ab"], vocab_size=5 + 4 + 2, progress=lambda *a: calls.append(a))
+    assert calls == [(1, 2), (2, 2)] and tok.vocab_size == 11
+    calls.clear()
+    tok = WordPiece.train(["aaab aaab ab"], vocab_size=100, progress=lambda *a: calls.append(a))
+    n = tok.vocab_size - 9
+    assert 2 < n < 91 and calls == [(i, 91) for i in range(1, n + 1)] + [(n, n)]
+    assert capsys.readouterr() == ("", "")
 
 
 @pytest.mark.parametrize("lowercase", [True, False])

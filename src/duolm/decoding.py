@@ -6,16 +6,23 @@ token. Activations, LayerNorms, the residual stream and the KV cache stay fp32; 
 (the blocks' linears and the tied output layer) use the narrow weights, each computed in bf16 with
 its result returned as fp32. Embedding lookups read a few rows and keep the fp32 table.
 
-    fast = decode_layout(model)      # exact fp32, ~1.4x tokens/s at batch 1 (the CLI's default)
+    fast = decode_layout(model)      # exact fp32, more tokens/s (the CLI's default)
     q = quantize(model, "int8")      # approximate: 1-byte weights
     generate(fast, prompts, ...)     # new modules with GPT2's interface; the model is left as it is
 
-`decode_layout` changes no number (it is not a quantization): it keeps fp32 and only adds, next to the (out, in) weights of
-the matrices that gain from it, a contiguous (in, out) copy that few-row matmuls read instead
-(x @ W_t). MKL's single-row kernel streams that layout much faster on CPU, as transformers' Conv1D
-(in, out) weights do; see DECODE_KINDS. Its cost is memory: the transposed copies sit beside the
-shared originals (for GPT-2 124M, +226 MB for the blocks' c_attn / attn.c_proj / c_fc and +154 MB
-for the tied output layer, whose (out, in) matrix is the token embedding wte).
+`decode_layout` changes no number (it is not a quantization): it keeps fp32 and only changes which
+kernel a few-row matmul meets, as GPT2 itself computes every matmul the plain way:
+
+  * one row (batch-1 decoding): the matrices that gain from it get a contiguous (in, out) copy beside
+    their (out, in) weight, read as x @ W_t. MKL's single-row kernel streams that layout faster on CPU,
+    as transformers' Conv1D (in, out) weights do; see DECODE_KINDS.
+  * 2-16 rows (a decoding batch): the tied output layer, the largest matrix, is multiplied in slices
+    of its vocabulary rows (sliced_head): MKL picks a poor kernel for so few rows against a whole
+    (V, C) matrix, and a good one for each slice.
+
+The cost is memory: the transposed copies sit beside the shared originals (for GPT-2 124M, +226 MB for
+the blocks' c_attn / attn.c_proj / c_fc and +154 MB for the tied output layer, whose (out, in) matrix is
+the token embedding wte). benchmarks/generation.py measures the speed against the plain model.
 """
 from __future__ import annotations
 
@@ -83,15 +90,29 @@ class BF16Linear(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # fp32 decode layout: (in, out) copies for few-row matmuls
 
-# Which matrices get an (in, out) copy. Measured batch-1 on a 2-thread CPU, 12 distinct matrices
-# each (cold caches), GB/s of F.linear (out, in) -> x @ W_t (in, out): c_attn 12.7 -> 19.0,
-# attn.c_proj 13.5 -> 17.0, mlp.c_fc 12.8 -> 21.2, output layer 11.9 -> 6.1 ms; mlp.c_proj is the
-# exception (19.0 -> 15.3), so it keeps (out, in).
+# Which matrices get an (in, out) copy: those whose single-row matmul streams the (in, out) layout faster
+# (benchmarks/generation.py measures each). mlp.c_proj, the one (4C -> C) matrix, streams faster as
+# (out, in) and keeps it; the output layer's copy is DecodeGPT2.head_t.
 DECODE_KINDS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc")
-# At most this many rows (sequences x new positions) take the (in, out) copy; above it (prefill,
-# batches) the plain (out, in) path is faster: at batch 8 the copies for 8-row steps cost
-# 129 -> 108 tok/s end to end, so larger inputs read the shared original.
+# At most this many rows (sequences x new positions) take the (in, out) copies; larger inputs (prefill,
+# batches) are faster through the shared (out, in) originals.
 DECODE_MAX_ROWS = 1
+# 2..HEAD_SLICE_ROWS rows multiply the output layer in slices of HEAD_SLICE vocabulary rows (sliced_head).
+HEAD_SLICE_ROWS = 16
+HEAD_SLICE = 1024
+
+
+def sliced_head(h: torch.Tensor, w: torch.Tensor, vocab_size: int, block: int = HEAD_SLICE) -> torch.Tensor:
+    """h (..., C) @ w[:vocab_size].T -> logits (..., vocab_size), a view of rows of w.shape[0] floats as
+    GPT2.head returns, computed as one matmul per `block` rows of w (V_padded, C) into one output.
+    Each slice is the same dot products as the whole matmul: only the kernel differs. No autograd (the
+    slices are written in place); h and w of one dtype."""
+    rows = h.numel() // h.shape[-1]
+    h2 = h.reshape(rows, -1)
+    out = h.new_empty(rows, w.shape[0])
+    for i in range(0, w.shape[0], block):
+        torch.mm(h2, w[i:i + block].t(), out=out[:, i:i + block])
+    return out.view(*h.shape[:-1], -1)[..., :vocab_size]
 
 
 class DecodeLinear(nn.Module):
@@ -128,7 +149,8 @@ class _GPT2ForDecoding(nn.Module):
 
 class DecodeGPT2(_GPT2ForDecoding):
     """A GPT2 for fp32 decoding: the matrices in `kinds` and the tied output layer get an (in, out)
-    copy used for few-row inputs (DecodeLinear); every other tensor is the original's, shared.
+    copy used for inputs of at most `max_rows` rows (DecodeLinear, head_t), and the output layer of a
+    decoding batch is computed in vocabulary slices (head); every other tensor is the original's, shared.
     Logits equal the plain model's up to fp32 rounding (another summation order).
     Same interface as GPT2 for generation: config, wte, hidden(), head(), forward()."""
 
@@ -150,10 +172,16 @@ class DecodeGPT2(_GPT2ForDecoding):
         self.register_buffer("head_t", model.wte.weight.detach().t().contiguous() if head else None)
 
     def head(self, h):
-        C = h.shape[-1]
-        if self.head_t is None or h.numel() > self.max_rows * C:
-            return self.inner.head(h)
-        return (h @ self.head_t)[..., :self.config.vocab_size]
+        """The tied output layer for the row count at hand: one row through the (in, out) copy head_t,
+        2..HEAD_SLICE_ROWS rows without autograd in vocabulary slices (sliced_head), more rows (prefill
+        of a batch, training) as GPT2.head. The same logits up to fp32 rounding."""
+        rows = h.numel() // h.shape[-1]
+        if self.head_t is not None and rows <= self.max_rows:
+            return (h @ self.head_t)[..., :self.config.vocab_size]
+        w = self.inner.wte.weight
+        if 1 < rows <= HEAD_SLICE_ROWS and not torch.is_grad_enabled() and h.dtype == w.dtype:
+            return sliced_head(h, w, self.config.vocab_size)
+        return self.inner.head(h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -200,9 +228,10 @@ def _check_gpt2(model):
 
 
 def decode_layout(model: nn.Module) -> nn.Module:
-    """A GPT2 for fp32 decoding with the same numbers and ~1.4x the batch-1 tokens/s on CPU:
-    (in, out) copies of the matrices that one-row matmuls read faster (DecodeGPT2; everything else
-    is shared with `model`, which is left as it is). Costs ~380 MB more for GPT-2 124M."""
+    """A GPT2 for fp32 decoding on CPU with the same numbers and more tokens/s (DecodeGPT2): (in, out)
+    copies of the matrices that one-row matmuls read faster, and the output layer in vocabulary slices
+    for 2-16 rows. Everything else is shared with `model`, which is left as it is. Costs ~380 MB more
+    for GPT-2 124M."""
     _check_gpt2(model)
     return DecodeGPT2(model)
 

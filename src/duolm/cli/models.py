@@ -7,10 +7,14 @@ from duolm.cli.options import Progress, add_options, options
 
 
 def cmd_tokenizer_train(args):
+    from tqdm import tqdm
+
     from duolm.tokenizers import train_tokenizer
 
-    tok = train_tokenizer(args.kind, args.files, args.vocab_size, min_frequency=args.min_frequency,
-                          lowercase=not args.cased, progress=True)
+    with tqdm(total=0, desc=f"{args.kind} merges", unit="merge", dynamic_ncols=True) as bar:
+        tok = train_tokenizer(args.kind, args.files, args.vocab_size, min_frequency=args.min_frequency,
+                              lowercase=not args.cased, progress=lambda done, total:
+                              (setattr(bar, "total", total), bar.update(done - bar.n)))
     tok.save(args.out)
     print(f"trained {args.kind} tokenizer: vocab {tok.vocab_size} (asked {args.vocab_size}) from "
           f"{len(args.files)} file(s) -> {args.out}")

@@ -12,7 +12,8 @@ A checkpoint PREFIX (e.g. models/124M/model.ckpt) is two kinds of files:
 The few protobuf fields needed are decoded by hand (varints, length-delimited fields); tensors
 are read lazily from np.memmap views, and each one's checksum is verified when it is read, so a
 1.5B checkpoint never needs twice its size in memory. Every malformed file gives a ValueError
-naming the file (and the tensor); a missing shard gives FileNotFoundError.
+naming the file (and the tensor); a missing shard gives FileNotFoundError. The checksums are computed
+by google-crc32c (convert/crc32c.py), the extra `duolm[tf]`.
 
 The name tables at the end map the releases' names onto our state dicts, in the style of
 convert/hf.py: every tensor is used exactly once or is an optimizer slot, and every shape is

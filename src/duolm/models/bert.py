@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from duolm.models.gpt2 import check_sizes
+from duolm.models.gpt2 import check_ids, check_sizes
 
 # Largest sizes a config may declare, checked before allocation.
 LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16,
@@ -80,17 +80,16 @@ class Attention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_drop = nn.Dropout(config.dropout)
 
-    def forward(self, x, mask=None, first_only: bool = False):
-        """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key. first_only: queries from the first
-        position only (every position is still a key and value) -> (B, 1, C)."""
-        B, T, C = x.shape
-        if first_only:
-            w, b = self.c_attn.weight, self.c_attn.bias
-            q = F.linear(x[:, :1], w[:C], b[:C])
-            k, v = F.linear(x, w[C:], b[C:]).split(C, dim=2)
-        else:
-            q, k, v = self.c_attn(x).split(C, dim=2)
-        Tq = q.shape[1]
+    def forward(self, x, mask=None):
+        """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key -> (B, T, C)."""
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=2)
+        return self.attend(q, k, v, mask)
+
+    def attend(self, q, k, v, mask=None):
+        """Projected queries q (B, Tq, C) against keys and values k, v (B, T, C) -> (B, Tq, C): heads,
+        scaled dot-product attention, output projection."""
+        B, Tq, C = q.shape
+        T = k.shape[1]
         q = q.view(B, Tq, self.n_head, -1).transpose(1, 2)    # (B, nh, T, hd), strided views
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)
@@ -127,10 +126,24 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
 
-    def forward(self, x, mask=None, first_only: bool = False):
-        x = self.ln_1((x[:, :1] if first_only else x) + self.attn(x, mask, first_only))
+    def forward(self, x, mask=None):
+        x = self.ln_1(x + self.attn(x, mask))
         x = self.ln_2(x + self.mlp(x))
         return x
+
+
+def cls_block(block: Block, x, mask=None):
+    """block(x, mask)[:, :1] computed for the first ([CLS]) query only -> (B, 1, C).
+
+    The same equation on the one row the pooler reads: every position is still a key and a value, but
+    the query projection, the attention output, both LayerNorms and the MLP run on [CLS] alone."""
+    C = x.shape[-1]
+    w, b = block.attn.c_attn.weight, block.attn.c_attn.bias
+    q = F.linear(x[:, :1], w[:C], b[:C])                   # (B, 1, C): the [CLS] query
+    k, v = F.linear(x, w[C:], b[C:]).split(C, dim=2)       # (B, T, C) each: every key and value
+    x = block.ln_1(x[:, :1] + block.attn.attend(q, k, v, mask))
+    x = block.ln_2(x + block.mlp(x))
+    return x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,29 +188,25 @@ class Bert(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
-        if idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must hold integer token ids (int64), got dtype {idx.dtype}")
         B, T = idx.shape
         if B == 0 or T == 0:
             raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds the context block_size="
                              f"{self.config.block_size}; truncate the input")
-        # Token and segment ids are checked where they enter (tokenizers, data loaders, fill_mask): a
-        # range check here would cost a host-device sync per forward and break torch.compile graphs.
-        if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
-            raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
+        check_ids(idx, self.config.vocab_size, "idx", "vocab_size")
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (B, T):
+                raise ValueError(f"segment_ids must have shape (B, T) = ({B}, {T}), got {tuple(segment_ids.shape)}")
+            check_ids(segment_ids, self.config.type_vocab_size, "segment_ids", "type_vocab_size")
         if attention_mask is not None and tuple(attention_mask.shape) != (B, T):
             raise ValueError(f"attention_mask must have shape (B, T) = ({B}, {T}), got {tuple(attention_mask.shape)}")
 
-    def forward(self, idx, segment_ids=None, attention_mask=None, cls_only: bool = False):
-        """idx (B, T), segment_ids (B, T) of 0/1 (default all 0), attention_mask (B, T) of 0/1
-        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C)).
-
-        cls_only: the last layer computes the [CLS] position only, all that the pooler reads (the same pooled
-        output for 1/n_layer less work at any length; hidden is then (B, 1, C))."""
+    def _embed(self, idx, segment_ids, attention_mask):
+        """Checked inputs -> (x (B, T, C): token + segment + position embeddings after LayerNorm and dropout,
+        key mask (B, 1, 1, T) of bool, True = real token, or None)."""
         self._check(idx, segment_ids, attention_mask)
-        B, T = idx.shape
+        T = idx.shape[1]
         x = self.wte(idx) + self.wpe.weight[:T]
         x = x + (self.wse.weight[0] if segment_ids is None else self.wse(segment_ids))
         x = self.ln_e(x)
@@ -205,11 +214,30 @@ class Bert(nn.Module):
             x = self.drop(x)
         mask = None
         if attention_mask is not None:
-            mask = attention_mask.to(device=idx.device, dtype=torch.bool)[:, None, None, :]   # (B, 1, 1, T)
-        for i, block in enumerate(self.h):
-            x = block(x, mask, cls_only and i == len(self.h) - 1)
-        pooled = torch.tanh(self.pool(x[:, 0]))    # the [CLS] position
-        return x, pooled
+            mask = attention_mask.to(device=idx.device, dtype=torch.bool)[:, None, None, :]
+        return x, mask
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """idx (B, T), segment_ids (B, T) of 0/1 (default all 0), attention_mask (B, T) of 0/1
+        (1 = real token, default all real) -> (hidden (B, T, C), pooled (B, C)).
+
+        Ids outside [0, vocab_size) or [0, type_vocab_size) and T > block_size are a ValueError (on CUDA
+        and under torch.compile the id range is checked on the device: see check_ids)."""
+        x, mask = self._embed(idx, segment_ids, attention_mask)
+        for block in self.h:
+            x = block(x, mask)
+        return x, torch.tanh(self.pool(x[:, 0]))    # the pooler reads the [CLS] position
+
+    def pooled(self, idx, segment_ids=None, attention_mask=None):
+        """forward(...)[1] alone -> pooled (B, C), what the sequence heads read. Every layer but the last
+        runs in full; in the last, only the keys and values are computed at every position and the rest at
+        the [CLS] row alone (cls_block), as that is all the pooler reads. Same numbers as forward up to
+        fp32 rounding (another split of the same matmuls)."""
+        x, mask = self._embed(idx, segment_ids, attention_mask)
+        for block in self.h[:-1]:
+            x = block(x, mask)
+        x = cls_block(self.h[-1], x, mask)                # (B, 1, C)
+        return torch.tanh(self.pool(x[:, 0]))
 
 
 # ---------------------------------------------------------------------------------------------

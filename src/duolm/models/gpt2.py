@@ -23,8 +23,9 @@ import torch.nn.functional as F
 
 # Largest sizes a config may declare (far above every released model), checked before allocation.
 LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16}
-# The embedding matrix has vocab_size rows rounded up to this multiple: output rows of a multiple of
-# 64 floats make the output matmul ~1.5x faster on CPU than GPT-2's odd 50,257 (see GPT2.head).
+# The embedding matrix has vocab_size rows rounded up to this multiple, so that the output matmul writes
+# rows of logits aligned to whole cache lines and SIMD blocks (GPT-2's odd 50,257 is not). The padding
+# rows are zero, sliced off the logits (GPT2.head) and refused as ids (check_ids).
 VOCAB_ALIGN = 64
 
 
@@ -34,6 +35,30 @@ def check_sizes(config, limits: dict) -> None:
         v = getattr(config, name)
         if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= limit:
             raise ValueError(f"{name}={v!r} must be an integer in [1, {limit}]")
+
+
+def check_ids(ids: torch.Tensor, n: int, name: str, limit: str) -> None:
+    """Every id in [0, n), or a ValueError naming the first one outside, its position and the range.
+    Worked example: check_ids(torch.tensor([[5, 512]]), 500, "idx", "vocab_size") raises
+    ValueError("idx[0, 1] = 512 is outside [0, vocab_size=500)").
+
+    The ids index embedding tables whose rows past n are padding (GPT-2's aligned vocabulary) or do not
+    exist. On CPU the check reads the ids directly. Reading CUDA ids back would be a host-device sync per
+    forward, and a data-dependent `if` cannot be traced by torch.compile, so on CUDA and while compiling
+    it is torch._assert_async, queued with the forward: a bad id fails at the next synchronization, as a
+    RuntimeError on CPU and as a device-side assert on CUDA (which leaves the CUDA context unusable). Ids
+    still on the host are checked where they enter (tokenizers, data loaders, generate, fill_mask)."""
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"{name} must hold integer ids (int64), got dtype {ids.dtype}")
+    if ids.device.type == "cuda" or torch.compiler.is_compiling():
+        torch._assert_async(((ids >= 0) & (ids < n)).all(), f"{name}: an id is outside [0, {limit}={n})")
+        return
+    lo, hi = torch.aminmax(ids)
+    if lo < 0 or hi >= n:
+        where = ((ids < 0) | (ids >= n)).nonzero()[0].tolist()
+        bad = ids[tuple(where)].item()
+        raise ValueError(f"{name}[{', '.join(map(str, where))}] = {bad} is outside [0, {limit}={n})")
+
 
 @dataclass
 class GPT2Config:
@@ -246,11 +271,10 @@ class GPT2(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
-        if idx.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"idx must hold integer token ids (int64), got dtype {idx.dtype}")
         B, T = idx.shape
         if B == 0 or T == 0:
             raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
+        check_ids(idx, self.config.vocab_size, "idx", "vocab_size")
         past = 0 if cache is None else cache.length
         if past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} (cache {past} + new {T}) exceeds the "
@@ -258,14 +282,14 @@ class GPT2(nn.Module):
         if cache is not None and (cache.batch_size != B or past + T > cache.max_len):
             raise ValueError(f"cache holds batch {cache.batch_size} x {cache.max_len} positions "
                              f"({past} used); got batch {B} with {T} new tokens")
-        # Token ids are checked where they enter (tokenizers, data loaders, generate, fill_mask): a
-        # range check here would cost a host-device sync per forward and break torch.compile graphs.
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(f"attention_mask must have shape (B, past + T) = ({B}, {past + T}), "
                              f"got {tuple(attention_mask.shape)}")
 
     def hidden(self, idx, attention_mask=None, cache=None):
-        """idx (B, T) -> hidden states (B, T, n_embd) after ln_f.
+        """idx (B, T) of ids in [0, vocab_size) -> hidden states (B, T, n_embd) after ln_f. An id outside
+        that range (the padding rows of wte included) or past + T > block_size is a ValueError (on CUDA
+        and under torch.compile the id range is checked on the device: see check_ids).
 
         attention_mask (B, past + T) of 0/1 marks left padding (1 = real token); positions then
         count real tokens only, so a padded row gives the same values as the unpadded row. With
@@ -303,19 +327,9 @@ class GPT2(nn.Module):
 
     def head(self, h):
         """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view of rows padded to
-        padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view).
-
-        Decoding 2-16 rows without autograd goes in slices of 1024 vocabulary rows: MKL's sgemm with
-        so few rows against the whole (V, C) matrix runs ~3x slower than the same work in slices
-        (batch 8: ~50 ms -> ~14 ms per step on 2 cores); each slice is exact, only the kernel differs."""
-        w, V = self.wte.weight, self.config.vocab_size
-        rows = h.numel() // h.shape[-1]
-        if 1 < rows <= 16 and not torch.is_grad_enabled() and h.dtype == w.dtype:
-            out = h.new_empty(rows, w.shape[0])
-            for i in range(0, w.shape[0], 1024):
-                torch.mm(h.reshape(rows, -1), w[i:i + 1024].t(), out=out[:, i:i + 1024])
-            return out.view(*h.shape[:-1], -1)[..., :V]
-        return F.linear(h, w)[..., :V]
+        padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view); the padding rows of
+        wte are zero and are sliced off, so they never show."""
+        return F.linear(h, self.wte.weight)[..., :self.config.vocab_size]
 
     def forward(self, idx, attention_mask=None, cache=None):
         """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""

@@ -83,9 +83,9 @@ class BertForSequence(nn.Module):
         self.fc = _init(nn.Linear(config.n_embd, head.n_out))
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
-        """idx, segment_ids, attention_mask (B, T) as Bert -> logits (B, n_out)."""
-        _, pooled = self.bert(idx, segment_ids, attention_mask, cls_only=True)
-        return self.fc(self.drop(pooled))
+        """idx, segment_ids, attention_mask (B, T) as Bert -> logits (B, n_out), from Bert.pooled (the last
+        layer at [CLS] only)."""
+        return self.fc(self.drop(self.bert.pooled(idx, segment_ids, attention_mask)))
 
 
 class BertForTokens(nn.Module):
@@ -149,8 +149,12 @@ class GPT2ForSequence(nn.Module):
     """A label (or a number) per input from the hidden state of its last real token (GPT-1 section 3.2).
 
     Inputs are right-padded: attention is causal, so the padding after a token never reaches it, and no
-    attention mask is needed. The auxiliary LM loss (GPT-1 section 3.3, L = L_task + lambda L_LM) needs
-    the LM logits as well: forward(..., lm=True) computes them from the same hidden states.
+    attention mask is needed. forward gives GPT-1's two heads over the same hidden states, the task head
+    and the LM head (for the auxiliary loss L = L_task + lambda L_LM, GPT-1 section 3.3), as GPT-1's
+    training code and transformers' GPT2DoubleHeadsModel do; classify gives the task head alone.
+
+    idx (B, T) or (B, S, T): S orderings of each input (GPT-1 fed similarity pairs both ways and summed
+    the two final states); last (B,) or (B, S): position of each row's last real token.
     """
 
     def __init__(self, config: GPT2Config, head: HeadConfig):
@@ -161,17 +165,22 @@ class GPT2ForSequence(nn.Module):
         self.gpt2 = GPT2(config)
         self.score = _init(nn.Linear(config.n_embd, head.n_out, bias=False))
 
-    def forward(self, idx, last, lm: bool = False):
-        """idx (B, T) or (B, S, T): S orderings of each input (GPT-1 fed similarity pairs both ways and
-        summed the two final states); last (B,) or (B, S): position of each row's last real token.
-        -> (logits (B, n_out), LM logits (B, [S,] T, vocab) when lm, else None)."""
-        h = self.gpt2.hidden(idx.reshape(-1, idx.shape[-1]))                 # (B*S, T, C)
+    def _task(self, h, last):
+        """h (B*S, T, C), last (B,) or (B, S) -> task logits (B, n_out) from the last real tokens' states."""
         rows = torch.arange(h.shape[0], device=h.device)
         pooled = h[rows, last.reshape(-1)].view(*last.shape, -1)            # (B, [S,] C)
         if pooled.dim() == 3:
             pooled = pooled.sum(1)
-        lm_logits = self.gpt2.head(h).view(*idx.shape, -1) if lm else None
-        return self.score(pooled), lm_logits
+        return self.score(pooled)
+
+    def forward(self, idx, last):
+        """-> (logits (B, n_out), lm_logits (B, [S,] T, vocab_size)): the task head and the LM head."""
+        h = self.gpt2.hidden(idx.reshape(-1, idx.shape[-1]))                 # (B*S, T, C)
+        return self._task(h, last), self.gpt2.head(h).view(*idx.shape, -1)
+
+    def classify(self, idx, last):
+        """-> logits (B, n_out): the task head alone (prediction; no LM logits are computed)."""
+        return self._task(self.gpt2.hidden(idx.reshape(-1, idx.shape[-1])), last)
 
 
 def head_model(family: str, config, head: HeadConfig) -> nn.Module:

@@ -1,5 +1,6 @@
 """Tokenizers in pure Python (+ `regex`): GPT-2's byte-level BPE and BERT's WordPiece. Never imports torch."""
 from pathlib import Path
+from typing import Callable
 
 from .bpe import ByteLevelBPE
 from .wordpiece import WordPiece
@@ -27,8 +28,10 @@ def load_tokenizer(directory, required: bool = True):
 
 
 def train_tokenizer(kind: str, files, vocab_size: int, min_frequency: int = 2, lowercase: bool = True,
-                    progress: bool = False):
-    """Train a "bpe" (byte-level BPE) or "wordpiece" tokenizer on text files, streamed line by line."""
+                    progress: Callable[[int, int], None] | None = None):
+    """Train a "bpe" (byte-level BPE) or "wordpiece" tokenizer on text files, streamed line by line.
+    progress(done, total) reports the tokens learned (merges), as ByteLevelBPE.train / WordPiece.train say;
+    the library prints nothing (the CLI draws the bar)."""
     if kind not in ("bpe", "wordpiece"):
         raise ValueError(f"kind {kind!r} is not 'bpe' or 'wordpiece'")
     missing = [str(f) for f in files if not Path(f).is_file()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import regex
 
@@ -71,11 +71,14 @@ def merge_word(word: list[int], pair: tuple[int, int], new: int) -> list[int]:
     return out
 
 
-def learn_merges(word_counts: dict[bytes, int], num_merges: int, min_frequency: int = 2, progress=False):
+def learn_merges(word_counts: dict[bytes, int], num_merges: int, min_frequency: int = 2,
+                 progress: Callable[[int, int], None] | None = None):
     """Greedy BPE on counted words: merge the most frequent adjacent pair, `num_merges` times at most
     (fewer when no pair occurs `min_frequency` times). Returns the merges as (left, right) bytes.
     Ties go to the pair with the smaller token ids (bytes in GPT-2's order, then merges in order).
     A pair whose joined bytes are already a token is skipped, so every token has exactly one merge.
+    progress(done, total) is called after each merge with done = 1, 2, ... and total = num_merges; when
+    the pairs run out first, one last call progress(done, done): the last call always has done == total.
 
     Plain: count all pairs, merge the best one everywhere with merge_word, count again. Here the counts
     are kept incrementally instead: pair -> count, pair -> words holding it, and a max-heap of
@@ -93,10 +96,6 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, min_frequency: 
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
     known, merges = set(tokens), []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=num_merges, desc="bpe merges", unit="merge")
     while heap and len(merges) < num_merges:
         c, pair = heapq.heappop(heap)
         if -c != pair_count.get(pair, 0):  # stale entry: the count dropped since it was pushed
@@ -132,10 +131,10 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, min_frequency: 
                 if d > 0:
                     heapq.heappush(heap, (-pair_count[p], p))
         pair_count.pop(pair, None)
-        if bar is not None:
-            bar.update(1)
-    if bar is not None:
-        bar.close()
+        if progress is not None:
+            progress(len(merges), num_merges)
+    if progress is not None and len(merges) < num_merges:
+        progress(len(merges), len(merges))     # stopped early: what was learned is the whole
     return merges
 
 
@@ -248,9 +247,11 @@ class ByteLevelBPE:
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int, special_tokens=(ENDOFTEXT,), min_frequency: int = 2,
-              progress: bool = False) -> "ByteLevelBPE":
+              progress: Callable[[int, int], None] | None = None) -> "ByteLevelBPE":
         """Learn `vocab_size - 256 - len(special_tokens)` merges (fewer if pairs run out) from `texts`.
         Ids: the 256 bytes in GPT-2's order, then the merges in order, then the special tokens.
+        progress(done, total) is called after each merge with done = 1, 2, ... and total = num_merges; when
+    the pairs run out first, one last call progress(done, done): the last call always has done == total.
         ValueError when the texts give no merge at all (empty, or no pair occurs min_frequency times)."""
         special_tokens = list(dict.fromkeys(special_tokens))
         num_merges = vocab_size - 256 - len(special_tokens)

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from itertools import accumulate, islice
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .basic import WHITESPACE, basic_tokenize
 from .files import read_lowercase, read_vocab_txt, write_wordpiece
@@ -281,8 +281,8 @@ class WordPiece:
 
     # ---- training and files --------------------------------------------------------------------------
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int, lowercase: bool = True, progress: bool = False,
-              min_frequency: int = 2) -> "WordPiece":
+    def train(cls, texts: Iterable[str], vocab_size: int, lowercase: bool = True,
+              progress: Callable[[int, int], None] | None = None, min_frequency: int = 2) -> "WordPiece":
         """Learn a WordPiece vocabulary the way HF tokenizers' WordPieceTrainer does: BPE merges of
         the most frequent adjacent pair over pre-tokenized words, non-initial symbols carrying "##".
 
@@ -290,6 +290,9 @@ class WordPiece:
         word of seen characters splits without [UNK]), then merged pieces in merge order until
         vocab_size. Ties go to the lexicographically smallest pair (deterministic). ValueError when
         the texts hold no word, or no pair occurs min_frequency times (nothing would be learned).
+        progress(done, total) is called after each new piece with done = 1, 2, ... and total = the pieces
+        asked for; when the pairs run out first, one last call progress(done, done): the last call always
+        has done == total.
         """
         base = cls({s: i for i, s in enumerate(SPECIALS)}, lowercase=lowercase)
         counts: Counter = Counter()
@@ -371,8 +374,10 @@ def _truncated_lengths(n_a: int, n_b: int, has_pair: bool, max_length: int, stra
     return (n_a - remove, n_b) if strategy == "only_first" else (n_a, n_b - remove)
 
 
-def _learn_merges(counts: Counter, n_merges: int, known: set, min_frequency: int, progress: bool) -> list[str]:
-    """BPE merges with "##" continuation symbols; returns the new tokens in order (at most n_merges).
+def _learn_merges(counts: Counter, n_merges: int, known: set, min_frequency: int,
+                  progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """BPE merges with "##" continuation symbols; returns the new tokens in order (at most n_merges),
+    calling progress(done, total) as WordPiece.train says.
 
     Pair counts are kept incrementally: a merge only revisits the words that contain the pair.
     """
@@ -386,10 +391,6 @@ def _learn_merges(counts: Counter, n_merges: int, known: set, min_frequency: int
             where.setdefault(p, set()).add(k)
     heap = [(-c, p) for p, c in pairs.items()]
     heapq.heapify(heap)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=n_merges, desc="wordpiece", unit="token")
     new: list[str] = []
     while len(new) < n_merges and heap:
         c, p = heapq.heappop(heap)
@@ -402,8 +403,8 @@ def _learn_merges(counts: Counter, n_merges: int, known: set, min_frequency: int
         if merged not in known:
             known.add(merged)
             new.append(merged)
-            if bar is not None:
-                bar.update(1)
+            if progress is not None:
+                progress(len(new), n_merges)
         changed = set()
         for k in where.pop(p, ()):
             syms, f = words[k], freq[k]
@@ -430,8 +431,8 @@ def _learn_merges(counts: Counter, n_merges: int, known: set, min_frequency: int
                 heapq.heappush(heap, (-n, q))
             elif n <= 0:
                 pairs.pop(q, None)
-    if bar is not None:
-        bar.close()
+    if progress is not None and len(new) < n_merges:
+        progress(len(new), len(new))     # stopped early: what was learned is the whole
     return new
 
 
