@@ -3,7 +3,7 @@ safetensors (and against TensorFlow's own reader where TensorFlow is installed),
 
     .venv/bin/python benchmarks/tf_checkpoint.py [--repeat N] [--fuzz-cases 10000]
 
-1. CRC-32C (our numpy lanes) against zlib's CRC-32 (C) on 64 MB: the checksum is most of a read.
+1. CRC-32C (google-crc32c, the `tf` extra) against zlib's CRC-32 (C) on 64 MB: the checksum is most of a read.
 2. A GPT-2 124M-shaped release folder (random weights, OpenAI's names, written by tests/tf_bundle.py)
    and the same weights as a Hugging Face safetensors folder: duolm.load of each, taking turns, and
    reading every tensor with our reader; if `import tensorflow` works (it is no dependency: run this
@@ -39,7 +39,7 @@ def crc_ratio(repeat: int) -> None:
         t = time.perf_counter(); crc32c(data); ours.append(time.perf_counter() - t)
         t = time.perf_counter(); zlib.crc32(data); ref.append(time.perf_counter() - t)
     mb = len(data) / 1e6
-    print(f"crc32c (numpy lanes) {mb / min(ours):7.0f} MB/s   zlib.crc32 (C) {mb / min(ref):7.0f} MB/s   "
+    print(f"crc32c (google-crc32c) {mb / min(ours):7.0f} MB/s   zlib.crc32 (C) {mb / min(ref):7.0f} MB/s   "
           f"ratio ours/zlib time {min(ours) / min(ref):.1f}x")
 
 

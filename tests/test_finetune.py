@@ -422,7 +422,8 @@ from duolm.train.finetune import FINETUNE_LOOP, FinetuneConfig, finetune, summar
 def ft_config(**kw) -> FinetuneConfig:
     """A FinetuneConfig from flat fields, as the CLI's flags give them: the loop's and the inputs' go to
     config.loop and config.inputs."""
-    loop = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(TrainConfig)}}
+    own = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    loop = {k: kw.pop(k) for k in list(kw) if k not in own and k in {f.name for f in dataclasses.fields(TrainConfig)}}
     inputs = {k: kw.pop(k) for k in list(kw) if k in {f.name for f in dataclasses.fields(TaskOptions)}}
     return FinetuneConfig(loop=dataclasses.replace(FINETUNE_LOOP, **loop), inputs=TaskOptions(**inputs), **kw)
 

@@ -37,7 +37,7 @@ from duolm.convert import hf as _hf
 from duolm.convert import tf as _tf
 from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
-from duolm.models.heads import HEAD_MODELS, HeadConfig, head_model
+from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, head_model
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 
 FORMAT = "duolm"
@@ -169,7 +169,8 @@ def _load_hf_head(path: Path, cfg: dict, arch: str):
     family = "gpt2" if arch.startswith("GPT2") else "bert"
     config = _config_from_hf(_hf.gpt2_config_from_hf if family == "gpt2" else _hf.bert_config_from_hf, cfg, path)
     kind, labels = _hf.head_kind_from_hf(cfg)
-    head = HeadConfig(kind, labels, max_length=min(config.block_size, 384 if kind == "span" else 128))
+    length = SPAN_MAX_LENGTH if kind == "span" else MAX_LENGTH
+    head = HeadConfig(kind, labels, max_length=min(config.block_size, length))
     model = _build(lambda c: head_model(family, c, head), config)
     sd, source = _read_hf_weights(path)
     _load_state(model, _from_hf(lambda d: _hf.head_from_hf(arch, d), sd, source), source, optional=("bert.pool.",))

@@ -25,7 +25,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except (ValueError, OSError) as e:          # expected failures: bad input, missing files, a full disk
+    except (ValueError, OSError, ImportError) as e:   # expected: bad input, missing files, a full disk, an extra
         if args.debug:
             raise
         print(f"duolm: error: {e}", file=sys.stderr)

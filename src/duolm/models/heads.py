@@ -22,6 +22,8 @@ from duolm.models.bert import Bert, BertConfig, BertForPreTraining
 from duolm.models.gpt2 import GPT2, GPT2Config
 
 KINDS = ("classify", "regress", "tag", "span", "choice")
+MAX_LENGTH = 128         # input tokens at most (BERT's GLUE and CoNLL recipes)
+SPAN_MAX_LENGTH = 384    # tokens per SQuAD window (BERT section 4.2)
 
 
 @dataclass
@@ -40,7 +42,7 @@ class HeadConfig:
     kind: str
     labels: list = field(default_factory=list)
     task: str | None = None
-    max_length: int = 128
+    max_length: int = MAX_LENGTH
     both_orders: bool = False
     null_threshold: float | None = None
 

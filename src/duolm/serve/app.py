@@ -2,7 +2,7 @@
 
     GPT-2: POST /v1/completions (continuous batching, scheduler.py)
     BERT:  POST /v1/embeddings, POST /v1/fill-mask (collected into batches, encoders.py)
-    a fine-tuned head (duolm.train.finetune.predict, batched alike): POST /v1/classify (classify,
+    a fine-tuned head (duolm.tasks.predict, batched alike): POST /v1/classify (classify,
            regress), /v1/ner (tag), /v1/qa (span); only the one its head answers
     both:  GET /v1/models, GET /health, GET /metrics
 
@@ -36,7 +36,7 @@ from duolm.serve.metrics import Admission, Metrics
 from duolm.serve.scheduler import Scheduler
 from duolm.serve.schemas import (MAX_INPUTS, APIError, ClassifyRequest, CompletionRequest, EmbeddingRequest,
                                  FillMaskRequest, NERRequest, QARequest)
-from duolm.train.finetune import predict
+from duolm.tasks import predict
 
 ROUTES = ("/v1/completions", "/v1/embeddings", "/v1/fill-mask", "/v1/classify", "/v1/ner", "/v1/qa", "/v1/models",
           "/health", "/metrics")

@@ -65,6 +65,8 @@ def prepare(name: str, tokenizer, family: str, options: TaskOptions, files: File
             lm_coef: float = 0.0) -> Prepared:
     """Task `name` read from `files`, encoded for a `family` model of `block_size` positions."""
     t = task(name)
+    if options.both_orders and family != "gpt2":
+        raise ValueError("both_orders is GPT's way of feeding sentence pairs; BERT reads one [CLS] A [SEP] B [SEP]")
     data = t.read(name, files, ("train", "dev"), options)
     data.train = first(data.train, options.max_train_examples, data.notes, t.unit)
     head = t.head(data, family, options, block_size)
@@ -89,7 +91,7 @@ def evaluate(model, tokenizer, files: Files, split: str = "dev", dev_fraction: f
     ({prefix + metric: value}, notes about the data)."""
     t, head = BY_KIND[model.head.kind], model.head
     splits = ("train", "dev") if split == "train" or dev_fraction else ("dev",)
-    data = t.read(head.task or t.names[0], files, splits, TaskOptions(dev_fraction=dev_fraction), head)
+    data = t.read(head.task or head.kind, files, splits, TaskOptions(dev_fraction=dev_fraction), head)
     items = {"": data.train} if split == "train" else data.dev
     out = {}
     for prefix, examples in items.items():

@@ -22,11 +22,10 @@ import torch
 
 from duolm.config import opt
 from duolm.data.causal import generator, rank_rows
+from duolm.models.heads import MAX_LENGTH, SPAN_MAX_LENGTH
 
 csv.field_size_limit(sys.maxsize)         # long passages (RTE, QNLI) are one field
 
-MAX_LENGTH = 128         # tokens per input (BERT's GLUE and CoNLL recipes)
-SPAN_MAX_LENGTH = 384    # tokens per SQuAD window (BERT section 4.2)
 MAX_QUERY = 64           # SQuAD question pieces at most (run_squad.py)
 STRIDE = 128             # SQuAD: pieces between the starts of a long context's windows (run_squad.py)
 GROUP = 50               # batches per length-sorted chunk (as transformers' LengthGroupedSampler)

@@ -212,6 +212,10 @@ class Features:
     pad_id: int
     cut: list = field(default_factory=list)
 
+    @property
+    def truncated(self) -> int:
+        return len(self.cut)
+
     def __len__(self):
         return len(self.ids)
 
@@ -469,8 +473,6 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
 
 
 def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
-    if options.both_orders and family != "gpt2":
-        raise ValueError("both_orders is GPT's way of feeding sentence pairs; BERT reads one [CLS] A [SEP] B [SEP]")
     return HeadConfig(data.kind, data.labels, data.name, min(options.max_length or MAX_LENGTH, block_size),
                       options.both_orders)
 
