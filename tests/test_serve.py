@@ -26,7 +26,7 @@ from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noq
 from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402
 from duolm.serve.encoders import EncoderWorker, Pooling, pool, read_pooling  # noqa: E402
-from duolm.serve.metrics import percentile  # noqa: E402
+from duolm.serve.metrics import Metrics  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
 
 httpx = pytest.importorskip("httpx2")
@@ -98,15 +98,16 @@ def client(gpt2):
 # ---------------------------------------------------------------------------------------------
 # pure helpers: worked examples and references
 
-def test_percentile_worked_examples_and_numpy():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([10, 20, 30], 90) == 28.0
-    assert percentile([7], 99) == 7.0
-    xs = np.random.default_rng(0).exponential(size=101).tolist()
-    for q in (0, 1, 50, 90, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
-    with pytest.raises(ValueError):
-        percentile([], 50)
+def test_metrics_report_worked_example():
+    m = Metrics(window=4)
+    for seconds in (9.0, 1.0, 2.0, 3.0, 4.0):           # the window keeps the last 4
+        m.observe("/v1/completions", 200, seconds)
+    m.observe("other", 404, 0.5)
+    report = m.report()
+    assert report["requests"] == {"/v1/completions": {"200": 5}, "other": {"404": 1}}
+    # percentiles with linear interpolation between ranks: p90 of 1..4 sits at rank 2.7
+    assert report["latency_s"]["/v1/completions"] == {"count": 4, "p50": 2.5, "p90": pytest.approx(3.7),
+                                                      "p99": pytest.approx(3.97)}
 
 
 def test_logprob_info_worked_example():
