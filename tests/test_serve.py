@@ -326,6 +326,8 @@ def test_encoder_worker_batches_jobs_arriving_together():
     futs = [worker.submit(double, [i, i + 10]) for i in range(3)]
     assert [f.result(timeout=10) for f in futs] == [[0, 20], [2, 22], [4, 24]]
     assert calls == [[0, 10, 1, 11, 2, 12]]            # one call for the three requests
+    assert {k: worker.stats()[k] for k in ("batches", "items", "running", "queue_depth")} == {
+        "batches": 1, "items": 6, "running": 0, "queue_depth": 0}
     bad = worker.submit(double, ["boom"])
     with pytest.raises(RuntimeError):
         bad.result(timeout=10)
