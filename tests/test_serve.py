@@ -520,6 +520,11 @@ def test_family_mismatch_model_name_and_unknown_route(client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+    # the routes it names, and the docs, are this model's: from the routers, not another family's
+    msg = r.json()["error"]["message"]
+    assert "POST /v1/completions" in msg and "GET /health" in msg and "/v1/fill-mask" not in msg
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/models", "/health", "/metrics"} <= set(paths) and "/v1/embeddings" not in paths
     assert client.get("/health").json() == {"status": "ok"}
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
@@ -602,29 +607,61 @@ def _metrics(url):
     return httpx.get(url + "/metrics", timeout=10).json()
 
 
-def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(slow_server):
-    url = slow_server
-    long = dict(prompt="a", max_tokens=200, stream=True)          # >= 200 x 40 ms = 8 s alone
-    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, httpx.Client(timeout=30) as c:
-        with a.stream("POST", url + "/v1/completions", json=long) as ra:
-            la = ra.iter_lines()                 # kept: a dropped iterator closes the response
-            assert ra.status_code == 200 and _first_chunk(la)
-            with b.stream("POST", url + "/v1/completions", json={**long, "max_tokens": 3}) as rb:
-                assert rb.status_code == 200                       # admitted: waits for the slot
-                assert _metrics(url)["in_flight"] == 2
-                t0 = time.monotonic()
-                r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-                assert r.status_code == 429 and time.monotonic() - t0 < 2.0
-                assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
-                ra.close()                                          # A leaves mid-stream
-                t0 = time.monotonic()
-                lines = rb.iter_lines()
-                assert _first_chunk(lines)                          # B gets the slot now, not in 8 s
-                assert time.monotonic() - t0 < 4.0
-                assert [x for x in lines if x][-1] == "data: [DONE]"
-        m = _metrics(url)
-        assert m["in_flight"] == 0 and m["running"] == 0 and m["rejected"] == 1 and m["peak_in_flight"] == 2
-        assert c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+class GatedGPT2(GPT2):
+    """A GPT-2 whose every forward first takes one of `permits`: the test says how far decoding gets."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.permits = threading.Semaphore(0)
+
+    def hidden(self, *args, **kw):
+        self.permits.acquire()
+        return super().hidden(*args, **kw)
+
+
+def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(gpt2):
+    """Capacity 1 + 1: A streams in the one decoding slot, B waits for it, C gets 429 at once; A
+    leaves and B gets the slot. The model runs A's prefill and 4 steps, then nothing until A has
+    left: C's 429 came while the model stood still, and A ended with 5 of its 200 tokens."""
+    model, tok = gpt2
+    long = dict(prompt="a", max_tokens=200, seed=0, stream=True)
+    first = library_tokens(model, tok, tok.encode("a"), 5, seed=0)
+    assert len(first) == 5 and tok.eot_id not in first and tok.decode(first).strip()   # A's 5 tokens show text
+    gated = GatedGPT2(model.config).eval()
+    gated.load_state_dict(model.state_dict())
+    gated.permits.release(5)
+    try:
+        with serving(create_app(gated, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url, \
+                httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, httpx.Client(timeout=30) as c:
+            with a.stream("POST", url + "/v1/completions", json=long) as ra:
+                la = ra.iter_lines()                 # kept: a dropped iterator closes the response
+                assert ra.status_code == 200 and _first_chunk(la)
+                with b.stream("POST", url + "/v1/completions", json={**long, "max_tokens": 3}) as rb:
+                    assert rb.status_code == 200                       # admitted: waits for the slot
+                    before = _metrics(url)
+                    r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                    after = _metrics(url)
+                    assert r.status_code == 429
+                    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
+                    for m in (before, after):           # A in the slot, B waiting, before and after the 429
+                        assert (m["in_flight"], m["running"], m["queue_depth"]) == (2, 1, 1)
+                        assert m["tokens_generated"] <= 5 and m["finish_reasons"] == {}
+                    ra.close()                                          # A leaves mid-stream
+                    deadline = time.monotonic() + 30
+                    while _metrics(url)["in_flight"] > 1 and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert _metrics(url)["in_flight"] == 1              # A's rows are cancelled
+                    gated.permits.release(1 << 20)                     # the model runs freely from here
+                    lines = rb.iter_lines()
+                    assert _first_chunk(lines)
+                    assert [x for x in lines if x][-1] == "data: [DONE]"
+            m = _metrics(url)
+            # B got the slot because A was cancelled, after 5 of its 200 tokens; B drew its 3
+            assert m["finish_reasons"] == {"cancelled": 1, "length": 1} and m["tokens_generated"] == 5 + 3
+            assert m["in_flight"] == 0 and m["running"] == 0 and m["rejected"] == 1 and m["peak_in_flight"] == 2
+            assert c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        gated.permits.release(1 << 20)          # never leave the decode thread waiting
 
 
 def test_non_streaming_client_that_leaves_frees_the_slot(slow_server):

@@ -107,7 +107,8 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Te
 
 class EncoderWorker:
     """One thread that runs batched jobs. After the first job arrives it waits `window_s` for more;
-    the jobs collected are grouped by function and each group runs as one call."""
+    the jobs collected are grouped by function and each group runs as one call. It is the server's
+    `deps.Worker` for BERT."""
 
     def __init__(self, window_s: float = 0.005):
         self.window_s = window_s

@@ -25,6 +25,10 @@ class Admission:
     def leave(self) -> None:
         self.active -= 1
 
+    def stats(self) -> dict:
+        return {"in_flight": self.active, "peak_in_flight": self.peak, "capacity": self.limit,
+                "rejected": self.rejected}
+
 
 class Metrics:
     """Counts by route and status, and the latencies of the last `window` requests per route."""

@@ -87,7 +87,7 @@ class Scheduler:
 
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
-    in the caller's thread (tests drive it by hand)."""
+    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2."""
 
     def __init__(self, model, max_batch: int = 16):
         if max_batch < 1:
