@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import random
+import sys
 import threading
 import time
 
@@ -26,7 +27,7 @@ from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noq
 from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402
 from duolm.serve.encoders import EncoderWorker, Pooling, pool, read_pooling  # noqa: E402
-from duolm.serve.metrics import percentile  # noqa: E402
+from duolm.serve.metrics import Metrics  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
 
 httpx = pytest.importorskip("httpx2")
@@ -98,15 +99,16 @@ def client(gpt2):
 # ---------------------------------------------------------------------------------------------
 # pure helpers: worked examples and references
 
-def test_percentile_worked_examples_and_numpy():
-    assert percentile([1, 2, 3, 4], 50) == 2.5
-    assert percentile([10, 20, 30], 90) == 28.0
-    assert percentile([7], 99) == 7.0
-    xs = np.random.default_rng(0).exponential(size=101).tolist()
-    for q in (0, 1, 50, 90, 99, 100):
-        assert percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
-    with pytest.raises(ValueError):
-        percentile([], 50)
+def test_metrics_report_worked_example():
+    m = Metrics(window=4)
+    for seconds in (9.0, 1.0, 2.0, 3.0, 4.0):           # the window keeps the last 4
+        m.observe("/v1/completions", 200, seconds)
+    m.observe("other", 404, 0.5)
+    report = m.report()
+    assert report["requests"] == {"/v1/completions": {"200": 5}, "other": {"404": 1}}
+    # percentiles with linear interpolation between ranks: p90 of 1..4 sits at rank 2.7
+    assert report["latency_s"]["/v1/completions"] == {"count": 4, "p50": 2.5, "p90": pytest.approx(3.7),
+                                                      "p99": pytest.approx(3.97)}
 
 
 def test_logprob_info_worked_example():
@@ -142,6 +144,28 @@ def test_run_warns_when_binding_all_interfaces_without_key(gpt2_dir, monkeypatch
     with caplog.at_level("WARNING", logger="duolm.serve"):
         duolm.serve.run(gpt2_dir, port=0)          # default host: loopback, no warning
     assert seen["host"] == "127.0.0.1" and not caplog.records
+
+
+def test_run_restores_the_switch_interval(gpt2_dir, monkeypatch):
+    """run() serves with a 0.5 ms thread switch interval and gives back the one it found, also when
+    the server fails."""
+    seen = []
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: seen.append(sys.getswitchinterval()))
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(0.0123)
+    try:
+        duolm.serve.run(gpt2_dir, port=0)
+        assert sys.getswitchinterval() == pytest.approx(0.0123)
+
+        def fail(self, sockets=None):
+            raise OSError("address already in use")
+        monkeypatch.setattr(uvicorn.Server, "run", fail)
+        with pytest.raises(OSError, match="address already in use"):
+            duolm.serve.run(gpt2_dir, port=0)
+        assert sys.getswitchinterval() == pytest.approx(0.0123)
+    finally:
+        sys.setswitchinterval(before)
+    assert seen == [pytest.approx(5e-4)]
 
 
 def test_api_key_file(tmp_path, capsys):
@@ -302,6 +326,8 @@ def test_encoder_worker_batches_jobs_arriving_together():
     futs = [worker.submit(double, [i, i + 10]) for i in range(3)]
     assert [f.result(timeout=10) for f in futs] == [[0, 20], [2, 22], [4, 24]]
     assert calls == [[0, 10, 1, 11, 2, 12]]            # one call for the three requests
+    assert {k: worker.stats()[k] for k in ("batches", "items", "running", "queue_depth")} == {
+        "batches": 1, "items": 6, "running": 0, "queue_depth": 0}
     bad = worker.submit(double, ["boom"])
     with pytest.raises(RuntimeError):
         bad.result(timeout=10)
@@ -494,6 +520,11 @@ def test_family_mismatch_model_name_and_unknown_route(client):
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
+    # the routes it names, and the docs, are this model's: from the routers, not another family's
+    msg = r.json()["error"]["message"]
+    assert "POST /v1/completions" in msg and "GET /health" in msg and "/v1/fill-mask" not in msg
+    paths = client.get("/openapi.json").json()["paths"]
+    assert {"/v1/completions", "/v1/models", "/health", "/metrics"} <= set(paths) and "/v1/embeddings" not in paths
     assert client.get("/health").json() == {"status": "ok"}
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}).status_code == 200
 
@@ -576,29 +607,61 @@ def _metrics(url):
     return httpx.get(url + "/metrics", timeout=10).json()
 
 
-def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(slow_server):
-    url = slow_server
-    long = dict(prompt="a", max_tokens=200, stream=True)          # >= 200 x 40 ms = 8 s alone
-    with httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, httpx.Client(timeout=30) as c:
-        with a.stream("POST", url + "/v1/completions", json=long) as ra:
-            la = ra.iter_lines()                 # kept: a dropped iterator closes the response
-            assert ra.status_code == 200 and _first_chunk(la)
-            with b.stream("POST", url + "/v1/completions", json={**long, "max_tokens": 3}) as rb:
-                assert rb.status_code == 200                       # admitted: waits for the slot
-                assert _metrics(url)["in_flight"] == 2
-                t0 = time.monotonic()
-                r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
-                assert r.status_code == 429 and time.monotonic() - t0 < 2.0
-                assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
-                ra.close()                                          # A leaves mid-stream
-                t0 = time.monotonic()
-                lines = rb.iter_lines()
-                assert _first_chunk(lines)                          # B gets the slot now, not in 8 s
-                assert time.monotonic() - t0 < 4.0
-                assert [x for x in lines if x][-1] == "data: [DONE]"
-        m = _metrics(url)
-        assert m["in_flight"] == 0 and m["running"] == 0 and m["rejected"] == 1 and m["peak_in_flight"] == 2
-        assert c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+class GatedGPT2(GPT2):
+    """A GPT-2 whose every forward first takes one of `permits`: the test says how far decoding gets."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.permits = threading.Semaphore(0)
+
+    def hidden(self, *args, **kw):
+        self.permits.acquire()
+        return super().hidden(*args, **kw)
+
+
+def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(gpt2):
+    """Capacity 1 + 1: A streams in the one decoding slot, B waits for it, C gets 429 at once; A
+    leaves and B gets the slot. The model runs A's prefill and 4 steps, then nothing until A has
+    left: C's 429 came while the model stood still, and A ended with 5 of its 200 tokens."""
+    model, tok = gpt2
+    long = dict(prompt="a", max_tokens=200, seed=0, stream=True)
+    first = library_tokens(model, tok, tok.encode("a"), 5, seed=0)
+    assert len(first) == 5 and tok.eot_id not in first and tok.decode(first).strip()   # A's 5 tokens show text
+    gated = GatedGPT2(model.config).eval()
+    gated.load_state_dict(model.state_dict())
+    gated.permits.release(5)
+    try:
+        with serving(create_app(gated, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url, \
+                httpx.Client(timeout=30) as a, httpx.Client(timeout=30) as b, httpx.Client(timeout=30) as c:
+            with a.stream("POST", url + "/v1/completions", json=long) as ra:
+                la = ra.iter_lines()                 # kept: a dropped iterator closes the response
+                assert ra.status_code == 200 and _first_chunk(la)
+                with b.stream("POST", url + "/v1/completions", json={**long, "max_tokens": 3}) as rb:
+                    assert rb.status_code == 200                       # admitted: waits for the slot
+                    before = _metrics(url)
+                    r = c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                    after = _metrics(url)
+                    assert r.status_code == 429
+                    assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
+                    for m in (before, after):           # A in the slot, B waiting, before and after the 429
+                        assert (m["in_flight"], m["running"], m["queue_depth"]) == (2, 1, 1)
+                        assert m["tokens_generated"] <= 5 and m["finish_reasons"] == {}
+                    ra.close()                                          # A leaves mid-stream
+                    deadline = time.monotonic() + 30
+                    while _metrics(url)["in_flight"] > 1 and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    assert _metrics(url)["in_flight"] == 1              # A's rows are cancelled
+                    gated.permits.release(1 << 20)                     # the model runs freely from here
+                    lines = rb.iter_lines()
+                    assert _first_chunk(lines)
+                    assert [x for x in lines if x][-1] == "data: [DONE]"
+            m = _metrics(url)
+            # B got the slot because A was cancelled, after 5 of its 200 tokens; B drew its 3
+            assert m["finish_reasons"] == {"cancelled": 1, "length": 1} and m["tokens_generated"] == 5 + 3
+            assert m["in_flight"] == 0 and m["running"] == 0 and m["rejected"] == 1 and m["peak_in_flight"] == 2
+            assert c.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+    finally:
+        gated.permits.release(1 << 20)          # never leave the decode thread waiting
 
 
 def test_non_streaming_client_that_leaves_frees_the_slot(slow_server):
@@ -619,7 +682,6 @@ def test_sigterm_drain_timeout_cuts_what_is_left(gpt2_dir):
     import os
     import signal
     import socket
-    import sys
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -639,7 +701,7 @@ def test_sigterm_drain_timeout_cuts_what_is_left(gpt2_dir):
                                                                  timeout=60) as r:
             for line in r.iter_lines():
                 if line and not lines:
-                    seen["signal"] = time.monotonic()
+                    seen["signal"] = True
                     os.kill(os.getpid(), signal.SIGTERM)
                 lines.append(line)
         seen["lines"] = lines
@@ -647,14 +709,14 @@ def test_sigterm_drain_timeout_cuts_what_is_left(gpt2_dir):
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
     interval = sys.getswitchinterval()
-    try:
-        duolm.serve.run(gpt2_dir, port=port, drain_timeout=1.0)
-    finally:
-        sys.setswitchinterval(interval)
-    returned = time.monotonic()
+    duolm.serve.run(gpt2_dir, port=port, drain_timeout=1.0)
     thread.join(30)
-    assert "signal" in seen and returned - seen["signal"] < 15
-    assert seen["lines"] and "data: [DONE]" not in seen["lines"]        # cut, not finished
+    assert "signal" in seen and sys.getswitchinterval() == interval
+    lines = seen["lines"]
+    assert lines and "data: [DONE]" not in lines                        # cut, not finished
+    chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    ended = {c["index"] for ch in chunks for c in ch["choices"] if c["finish_reason"]}
+    assert len(ended) < 16                                              # cut while generating
 
 
 # ---------------------------------------------------------------------------------------------

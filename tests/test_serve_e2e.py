@@ -27,8 +27,7 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx2")
 
-from test_serve import (gpt2, gpt2_dir, library_completion, library_tokens, one_thread,  # noqa: E402,F401
-                        percentile)
+from test_serve import gpt2, gpt2_dir, library_completion, library_tokens, one_thread  # noqa: E402,F401
 
 
 def _free_port() -> int:
@@ -224,8 +223,8 @@ def test_load_200_requests_64_clients(gpt2_server):
     assert after["in_flight"] == 0 and after["running"] == 0
     lat_ok = [t for s, t, *_ in ok]
     lat_over = [t for s, t, *_ in over]
-    print(f"\nload: {len(ok)} x 200 (p50 {percentile(lat_ok, 50):.3f} s, p99 {percentile(lat_ok, 99):.3f} s), "
-          f"{len(over)} x 429 (p50 {percentile(lat_over, 50):.3f} s, p99 {percentile(lat_over, 99):.3f} s)")
+    print(f"\nload: {len(ok)} x 200 (p50 {np.percentile(lat_ok, 50):.3f} s, p99 {np.percentile(lat_ok, 99):.3f} s), "
+          f"{len(over)} x 429 (p50 {np.percentile(lat_over, 50):.3f} s, p99 {np.percentile(lat_over, 99):.3f} s)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -156,6 +156,15 @@ def test_a_route_of_another_head_is_400_naming_the_model(clients, kind, route, b
     assert clients[kind].get("/health").json() == {"status": "ok"}
 
 
+def test_the_docs_list_the_heads_own_route_only(clients):
+    routes = {"classify": "/v1/classify", "regress": "/v1/classify", "tag": "/v1/ner", "span": "/v1/qa"}
+    for kind, c in clients.items():
+        paths = set(c.get("/openapi.json").json()["paths"])
+        assert paths & set(routes.values()) == {routes[kind]} and "/v1/embeddings" in paths
+        assert "/v1/completions" not in paths and "/v1/fill-mask" not in paths
+        assert f"POST {routes[kind]}" in c.get("/v1/none").json()["error"]["message"]
+
+
 def test_a_model_without_a_head_has_no_head_routes(bert_tok):
     from duolm.models import BertForPreTraining
     cfg = BertConfig(vocab_size=bert_tok.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32, n_inner=64)

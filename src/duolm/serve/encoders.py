@@ -107,17 +107,25 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Te
 
 class EncoderWorker:
     """One thread that runs batched jobs. After the first job arrives it waits `window_s` for more;
-    the jobs collected are grouped by function and each group runs as one call."""
+    the jobs collected are grouped by function and each group runs as one call. It is the server's
+    `deps.Worker` for BERT."""
 
     def __init__(self, window_s: float = 0.005):
         self.window_s = window_s
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
+        self.running = 0                 # jobs in the batch being run
+        self.batches = self.items = 0    # batches started, items in them
         self.busy_s = 0.0
 
     @property
     def waiting(self) -> int:
         return self._jobs.qsize()
+
+    def stats(self) -> dict:
+        """The worker's share of GET /metrics."""
+        return {"running": self.running, "queue_depth": self.waiting, "batches": self.batches, "items": self.items,
+                "items_per_s": self.items / self.busy_s if self.busy_s else 0.0}
 
     def submit(self, fn, items: list) -> Future:
         fut = Future()
@@ -129,6 +137,7 @@ class EncoderWorker:
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
+        """End the loop once the jobs queued before this call have run."""
         self._jobs.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -150,7 +159,11 @@ class EncoderWorker:
                     break
                 jobs.append(job)
             t0 = time.perf_counter()
+            self.running = len(jobs)
+            self.batches += 1
+            self.items += sum(len(items) for _, items, _ in jobs)
             self.run(jobs)
+            self.running = 0
             self.busy_s += time.perf_counter() - t0
 
     @staticmethod

@@ -3,26 +3,8 @@ admission counter that turns requests beyond capacity into fast 429s."""
 from __future__ import annotations
 
 import collections
-import math
 
-
-def percentile(values, q: float) -> float:
-    """The q-th percentile (0 <= q <= 100) with linear interpolation between the closest ranks
-    (numpy's default): the value at fractional rank (n - 1) * q / 100 of the sorted values.
-
-    >>> percentile([1, 2, 3, 4], 50)
-    2.5
-    >>> percentile([10, 20, 30], 90)
-    28.0
-    """
-    xs = sorted(values)
-    if not xs:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q={q} must be in [0, 100]")
-    r = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(r), math.ceil(r)
-    return float(xs[lo] + (xs[hi] - xs[lo]) * (r - lo))
+import numpy as np
 
 
 class Admission:
@@ -43,6 +25,10 @@ class Admission:
     def leave(self) -> None:
         self.active -= 1
 
+    def stats(self) -> dict:
+        return {"in_flight": self.active, "peak_in_flight": self.peak, "capacity": self.limit,
+                "rejected": self.rejected}
+
 
 class Metrics:
     """Counts by route and status, and the latencies of the last `window` requests per route."""
@@ -56,6 +42,8 @@ class Metrics:
         self.latency[route].append(seconds)
 
     def report(self) -> dict:
-        lat = {route: {"count": len(xs), **{f"p{q}": percentile(xs, q) for q in (50, 90, 99)}}
+        """{"requests": {route: {status: count}}, "latency_s": {route: {"count", "p50", "p90", "p99"}}},
+        the percentiles numpy's (linear interpolation) over the window."""
+        lat = {route: {"count": len(xs), **dict(zip(("p50", "p90", "p99"), np.percentile(xs, (50, 90, 99)).tolist()))}
                for route, xs in self.latency.items() if xs}
         return {"requests": {r: dict(c) for r, c in self.counts.items()}, "latency_s": lat}

@@ -82,18 +82,12 @@ def logprob_info(logits: torch.Tensor, token: int, k: int):
     return float(lp[token]), alts
 
 
-def _finish(row: Row, reason: str) -> None:
-    if not row.finished:
-        row.finished = True
-        row.sink.done(reason)
-
-
 class Scheduler:
     """Runs rows through `model` (a GPT2 in eval mode), at most `max_batch` at once.
 
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
-    in the caller's thread (tests drive it by hand)."""
+    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2."""
 
     def __init__(self, model, max_batch: int = 16):
         if max_batch < 1:
@@ -104,6 +98,7 @@ class Scheduler:
         self.device = w.device
         self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
         self.tokens_generated = 0
+        self.finish_reasons = collections.Counter()   # rows ended, by reason
         self.busy_s = 0.0                # time spent in step() with work to do
         self._waiting = collections.deque()
         self._cond = threading.Condition()
@@ -124,6 +119,12 @@ class Scheduler:
     def waiting(self) -> int:
         return len(self._waiting)
 
+    def stats(self) -> dict:
+        """The decode loop's share of GET /metrics."""
+        return {"running": self.running, "queue_depth": self.waiting, "tokens_generated": self.tokens_generated,
+                "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
+                "finish_reasons": dict(self.finish_reasons)}
+
     def submit(self, rows) -> None:
         with self._cond:
             self._waiting.extend(rows)
@@ -142,7 +143,7 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
         for row in self._rows + list(self._waiting):
-            _finish(row, "cancelled")
+            self._finish(row, "cancelled")
         self._rows, self._waiting = [], collections.deque()
 
     def _loop(self) -> None:
@@ -174,6 +175,12 @@ class Scheduler:
             self.busy_s += time.perf_counter() - t0
         return busy
 
+    def _finish(self, row: Row, reason: str) -> None:
+        if not row.finished:
+            row.finished = True
+            self.finish_reasons[reason] += 1
+            row.sink.done(reason)
+
     def _guard(self, rows, fn, *args):
         """fn(*args); on an exception the `rows` end with "error" and leave the batch."""
         try:
@@ -183,7 +190,7 @@ class Scheduler:
             log.exception("decode step failed; failing %d row(s)", len(rows))
             failed = set(map(id, rows))
             for row in list(rows):
-                _finish(row, "error")
+                self._finish(row, "error")
             self._rows = [r for r in self._rows if id(r) not in failed]
             if not self._rows:
                 self._L = 0
@@ -191,18 +198,18 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         gone = [j for j, r in enumerate(self._rows) if r.cancelled]
         for j in gone:
-            _finish(self._rows[j], "cancelled")
+            self._finish(self._rows[j], "cancelled")
         self._leave(gone)
 
     # --- one row: prefill, draw, finish ----------------------------------------------------------
 
     def _join(self, row: Row) -> None:
         if row.cancelled:
-            _finish(row, "cancelled")
+            self._finish(row, "cancelled")
             return
         row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
         if row.max_tokens == 0 and not row.prompt_logprobs:
-            _finish(row, "length")
+            self._finish(row, "length")
             return
         cfg = self.model.config
         P = len(row.prompt)
@@ -214,7 +221,7 @@ class Scheduler:
             row.sink.prompt([None] + [logprob_info(logits[i], t, row.logprobs or 0)
                                       for i, t in enumerate(row.prompt[1:])])
         if row.max_tokens == 0:
-            _finish(row, "length")
+            self._finish(row, "length")
             return
         if not self._draw(row, self.model.head(h[:, -1]).float()):
             return
@@ -238,10 +245,10 @@ class Scheduler:
         row.tokens.append(t)
         self.tokens_generated += 1
         if row.sink.token(t, info):
-            _finish(row, "stop")
+            self._finish(row, "stop")
             return False
         if len(row.tokens) >= row.max_tokens:
-            _finish(row, "length")
+            self._finish(row, "length")
             return False
         return True
 
@@ -264,7 +271,7 @@ class Scheduler:
         for j, row in enumerate(self._rows):
             row.n += 1
             if row.cancelled:
-                _finish(row, "cancelled")
+                self._finish(row, "cancelled")
             if row.finished or not self._draw(row, logits[j:j + 1]):
                 done.append(j)
         self._leave(done)

@@ -1,0 +1,94 @@
+"""BERT's routes: POST /v1/embeddings (OpenAI's, pooled as the checkpoint was trained) and
+POST /v1/fill-mask, their requests run in batches by the encoders.EncoderWorker.
+
+A route of this kind validates its body, builds its items (tokenizing, in a worker thread) and
+awaits `worker.submit(fn, items)`, fn a batched function items -> results made once per app (jobs for
+the same fn that arrive together run as one call).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+
+from fastapi import APIRouter
+from starlette.concurrency import run_in_threadpool
+
+from duolm.serve.completions import to_id_lists
+from duolm.serve.deps import Served
+from duolm.serve.encoders import embed
+from duolm.serve.schemas import MAX_INPUTS, APIError, EmbeddingRequest, FillMaskRequest
+from duolm.textgen import fill_mask_text
+
+
+async def run_batch(s: Served, fn, inputs) -> tuple[list, list]:
+    """(items, fn's results for them): inputs() builds the items in a worker thread, then they run
+    in a batch on the served model's EncoderWorker."""
+    items = await run_in_threadpool(inputs)
+    return items, await asyncio.wrap_future(s.worker.submit(fn, items))
+
+
+def router(s: Served) -> APIRouter:
+    """POST /v1/embeddings for any BERT, POST /v1/fill-mask for one with its masked-LM head; a 400
+    for any other model."""
+    r = APIRouter()
+    model, tok, cfg = s.model, s.tokenizer, s.model.config
+    bert, mlm = s.family == "bert", hasattr(s.model, "mlm")
+
+    def embed_fn(ids):
+        return embed(model, ids, s.pooling)
+
+    @r.post("/v1/embeddings", **s.model_route(bert, "a BERT model"))
+    async def embeddings(body: EmbeddingRequest):
+        """OpenAI's embeddings: one vector per input, pooled as GET /v1/models says."""
+        s.check_model(body.model)
+        if body.dimensions is not None and body.dimensions != cfg.n_embd:
+            raise APIError(400, f"dimensions: this model's embeddings have {cfg.n_embd} dimensions", "dimensions")
+        limit = s.pooling.max_length or cfg.block_size
+        ids, vecs = await run_batch(s, embed_fn, lambda: bert_inputs(body.input, tok, limit))
+        if body.encoding_format == "base64":
+            data = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vecs]
+        else:
+            data = [v.tolist() for v in vecs]
+        n = sum(map(len, ids))
+        return {"object": "list", "model": s.name, "usage": {"prompt_tokens": n, "total_tokens": n},
+                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+
+    def fill_fn(items):
+        return [fill_mask_text(model, tok, text, top_k) for text, top_k in items]
+
+    @r.post("/v1/fill-mask", **s.model_route(bert and mlm, "a BERT model with its masked-LM head"))
+    async def fill_mask(body: FillMaskRequest):
+        """The top_k fillers of each [MASK] with their probabilities, and the text with the best ones."""
+        s.check_model(body.model)
+        texts = [body.input] if isinstance(body.input, str) else body.input
+
+        def inputs():        # checked here, so that one bad input never fails a batch
+            for i, ids in enumerate(bert_inputs(texts, tok, cfg.block_size)):
+                if tok.mask_id not in ids:
+                    raise APIError(400, f"input[{i}] has no [MASK] to fill", "input")
+            return [(t, body.top_k) for t in texts]
+        _, results = await run_batch(s, fill_fn, inputs)
+        data = [{"index": i, "text": filled, "masks": [
+                    [{"token": tok.vocab[piece], "token_str": piece, "score": p} for piece, p in fillers]
+                    for fillers in masks]}
+                for i, (masks, filled) in enumerate(results)]
+        return {"object": "list", "model": s.name, "data": data}
+    return r
+
+
+def bert_inputs(value, tokenizer, limit: int) -> list:
+    """Texts -> [CLS] pieces [SEP]; token-id lists (word pieces) get [CLS] and [SEP] around them.
+    More than MAX_INPUTS inputs, or one longer than `limit` tokens, raise APIError(400)."""
+    def encode(text):
+        return tokenizer.encode(text).ids
+    ids = to_id_lists(value, "input", encode, tokenizer.vocab_size)
+    if len(ids) > MAX_INPUTS:
+        raise APIError(400, f"input: {len(ids)} inputs, at most {MAX_INPUTS} per request", "input")
+    raw = isinstance(value, list) and value and not isinstance(value[0], str)
+    if raw:
+        ids = [[tokenizer.cls_id, *x, tokenizer.sep_id] for x in ids]
+    for i, x in enumerate(ids):
+        if len(x) > limit:
+            which = f" (input {i})" if len(ids) > 1 else ""
+            raise APIError(400, f"input has {len(x)} tokens, limit {limit}{which}", "input")
+    return ids

@@ -1,0 +1,104 @@
+"""GPT-2's route: POST /v1/completions, its rows decoded by the continuous-batching scheduler
+(scheduler.py), the response built by completions.py, streamed as server-sent events on request.
+A client that leaves cancels its rows: they leave the batch at the next step."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from duolm.models import GPT2
+from duolm.serve.completions import Completion, encode_prompts, make_rows
+from duolm.serve.deps import Served
+from duolm.serve.schemas import APIError, CompletionRequest
+
+
+def router(s: Served) -> APIRouter:
+    """POST /v1/completions for a GPT2 served with a scheduler.Scheduler; a 400 for any other model."""
+    r = APIRouter()
+
+    @r.post("/v1/completions", **s.model_route(isinstance(s.model, GPT2), "a GPT-2 language model"))
+    async def completions(body: CompletionRequest, request: Request):
+        """OpenAI's completions: text for each prompt and choice, as generate_text gives it."""
+        s.check_model(body.model)
+        prompts = await run_in_threadpool(encode_prompts, body, s.tokenizer, s.model.config)
+        queue: asyncio.Queue = asyncio.Queue()
+        comp = Completion(body, prompts, s.tokenizer, s.name)
+        rows = make_rows(body, prompts, s.tokenizer, _threadsafe_put(queue))
+
+        def cancel():          # rows still waiting or running leave at the next step
+            for row in rows:
+                row.cancelled = True
+
+        s.worker.submit(rows)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return _Stream(_events(comp, queue, usage), cancel)
+        watch = asyncio.ensure_future(_watch_disconnect(request, queue))
+        try:
+            while comp.pending:
+                ev = await queue.get()
+                if ev[0] == "gone":
+                    return Response(status_code=499)      # the client left; nobody reads this
+                if ev[0] == "done" and ev[3] == "error":
+                    raise APIError(500, "generation failed; the server log has the details")
+                comp.apply(ev)
+            return comp.body()
+        finally:
+            watch.cancel()
+            cancel()
+    return r
+
+
+def _threadsafe_put(queue: asyncio.Queue):
+    """put(event) for other threads: the event lands in `queue` on the running loop."""
+    loop = asyncio.get_running_loop()
+
+    def put(ev):
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, ev)
+        except RuntimeError:      # the loop is closed: the server is gone
+            pass
+    return put
+
+
+async def _watch_disconnect(request: Request, queue: asyncio.Queue):
+    """Puts ("gone",) in the queue when the client disconnects (the body was read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    queue.put_nowait(("gone",))
+
+
+async def _events(comp: Completion, queue: asyncio.Queue, usage: bool):
+    """Server-sent events: one chunk per piece of text, the finish reasons, usage, [DONE]."""
+    start = comp.start()
+    if start:
+        yield comp.chunk(start)
+    while comp.pending:
+        ev = await queue.get()
+        if ev[0] == "done" and ev[3] == "error":
+            yield f"data: {json.dumps(APIError(500, 'generation failed; the server log has the details').body())}\n\n"
+            return
+        choice = comp.apply(ev)
+        if choice is not None:
+            yield comp.chunk([choice])
+    if usage:
+        yield comp.chunk([], comp.usage())
+    yield "data: [DONE]\n\n"
+
+
+class _Stream(StreamingResponse):
+    """An event stream that runs `cleanup` however it ends: done, client gone, or cancelled."""
+
+    def __init__(self, content, cleanup):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._cleanup()
