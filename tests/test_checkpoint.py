@@ -460,8 +460,8 @@ def test_missing_weights_and_config(tiny, tmp_path):
 
 @pytest.mark.parametrize("config,match", [
     ({"model_type": "llama"}, r"'llama' with architectures \[\] is not supported.*gpt2.*bert"),
-    ({"model_type": "bert", "architectures": ["BertForMultipleChoice"]},
-     r"BertForMultipleChoice'\] is not supported.*BertModel.*BertForPreTraining.*BertForMaskedLM"),
+    ({"model_type": "bert", "architectures": ["BertForNextSentencePrediction"]},     # multiple choice now loads
+     r"BertForNextSentencePrediction'\] is not supported.*BertModel.*BertForPreTraining.*BertForMaskedLM"),
     ({"model_type": "gpt2", "architectures": ["GPT2DoubleHeadsModel"]}, r"GPT2DoubleHeadsModel.*GPT2LMHeadModel"),
     ({"format": "duolm", "format_version": 2, "family": "gpt2", "config": {}}, r"format_version 2 .*reads format_version 1"),
     ({"format": "duolm", "format_version": 1, "family": "t5", "config": {}}, r"family 't5'.*'gpt2', 'bert'"),

@@ -640,7 +640,7 @@ def test_config_translation_both_ways():
     ({"model_type": "gpt2", "architectures": ["GPT2DoubleHeadsModel"]}, "GPT2LMHeadModel"),
     ({"model_type": "gpt2", "n_embd": 64, "n_inner": 100}, "n_inner=100"),
     ({"model_type": "gpt2", "activation_function": "relu"}, "activation_function='relu'"),
-    ({"model_type": "bert", "architectures": ["BertForMultipleChoice"]}, "BertForPreTraining"),
+    ({"model_type": "bert", "architectures": ["BertForNextSentencePrediction"]}, "BertForPreTraining"),
     ({"model_type": "bert", "hidden_act": "gelu_new"}, "hidden_act"),
     ({"model_type": "bert", "position_embedding_type": "relative_key"}, "relative_key"),
 ])
