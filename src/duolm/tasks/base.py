@@ -201,6 +201,16 @@ def first(examples: list, limit: int, notes: list, what: str = "training example
 
 # --- batches ---------------------------------------------------------------------------------------------
 
+class TokenRows:
+    """len() and lengths() of features whose ids[i] is one input's token ids (tagging, span windows)."""
+
+    def __len__(self):
+        return len(self.ids)
+
+    def lengths(self) -> np.ndarray:
+        return np.array([len(x) for x in self.ids], dtype=np.int64)
+
+
 def pad(seqs: Sequence[Sequence[int]], value: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists of ids right-padded with `value` to the longest -> (ids (B, T), mask (B, T): 1 = real, 0 = padding)."""
     T = max(len(x) for x in seqs)

@@ -20,14 +20,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from duolm.metrics import squad_scores, squad_v2_scores
 from duolm.models.heads import HeadConfig
 from duolm.objectives import Objective
-from duolm.tasks.base import MAX_QUERY, SPAN_MAX_LENGTH, STRIDE, Data, Files, Task, holdout, pad, run_model
+from duolm.tasks.base import (MAX_QUERY, SPAN_MAX_LENGTH, STRIDE, Data, Files, Task, TokenRows, holdout, pad,
+                              run_model)
 from duolm.tokenizers import WordPiece
 
 # --- the reader -------------------------------------------------------------------------------------------
@@ -115,7 +115,7 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
 # --- features ---------------------------------------------------------------------------------------------
 
 @dataclass
-class SpanFeatures:
+class SpanFeatures(TokenRows):
     """One row per window: ids, segment_ids; offsets[i][t]: the characters of the context piece at t (None
     outside the context); max_context[i][t]: whether window i scores that piece; question[i]: the question it
     belongs to; start/end: the answer's piece positions (0, the [CLS], when the answer is not in the window);
@@ -129,12 +129,6 @@ class SpanFeatures:
     end: list = field(default_factory=list)
     pad_id: int = 0
     cut: list = field(default_factory=list)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def lengths(self):
-        return np.array([len(x) for x in self.ids], dtype=np.int64)
 
     def collate(self, rows) -> dict[str, torch.Tensor]:
         """idx, segment_ids, attention_mask (B, T) padded to the longest window; start, end (B,) the answer's pieces."""

@@ -14,14 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from duolm.metrics import entities, entity_scores, invalid_starts
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective
-from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, holdout, pad, run_model
+from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, TokenRows, holdout, pad, run_model
 from duolm.tokenizers import WordPiece
 
 SCHEMES = ("IOB1", "IOB2", "IOBES")
@@ -155,7 +154,7 @@ def word_pieces(tok: WordPiece, words: list[str]) -> list[list[int]]:
 
 
 @dataclass
-class TagFeatures:
+class TagFeatures(TokenRows):
     """One row per sentence: ids ([CLS] context sentence context [SEP]), labels (IGNORE but on the first piece
     of each of the sentence's words), first[i]: the position of word i's first piece (-1: it got no piece or
     was cut); cut: the sentences that did not fit whole."""
@@ -164,12 +163,6 @@ class TagFeatures:
     first: list
     pad_id: int
     cut: list = field(default_factory=list)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def lengths(self):
-        return np.array([len(x) for x in self.ids], dtype=np.int64)
 
     def collate(self, rows) -> dict[str, torch.Tensor]:
         """idx, segment_ids, attention_mask, labels (B, T), padded to the longest row (labels with IGNORE)."""
