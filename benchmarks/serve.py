@@ -233,7 +233,7 @@ def run_soak(n, tmp, clients=32, warmup=500):
         cmd = [sys.executable, "-m", "duolm", "serve", str(model_dir), "--port", url.rsplit(":", 1)[1], *args]
         with process(cmd, url, tmp / f"{model_dir.name}.log", {"OMP_NUM_THREADS": "1"}) as proc:
             soak.soak(url, goods, warmup, clients, seed=1)
-            soak.settled(url)
+            before = soak.settled(url)
             rss_before = soak.rss_kb(proc.pid)
             t = time.perf_counter()
             outcomes = soak.soak(url, goods, n, clients, seed=2, time_limit=60 + n)
@@ -247,8 +247,14 @@ def run_soak(n, tmp, clients=32, warmup=500):
         print(f"{model_dir.name}: {soak.figures(outcomes).line()}; {wall:.1f} s")
         print(f"  RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB ({100 * (rss_after / rss_before - 1):+.2f}%); "
               f"/health {health}; in flight {m['in_flight']}, running {m['running']}, waiting {m['queue_depth']}"
-              + (f"; rows ended {m['finish_reasons']}" if "finish_reasons" in m else "")
+              + (f"; rows ended in the soak {ended(before, m)}" if "finish_reasons" in m else "")
               + f"; {len(complete)} complete answers, {differ} differ from the request alone")
+
+
+
+def ended(before: dict, after: dict) -> dict:
+    """GPT-2's decode rows ended between two /metrics, by finish reason."""
+    return {k: n - before["finish_reasons"].get(k, 0) for k, n in after["finish_reasons"].items()}
 
 
 if __name__ == "__main__":
