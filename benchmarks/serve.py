@@ -11,6 +11,15 @@ times, the servers alternating (duolm, transformers, transformers CB, duolm, ...
 round is kept (on a shared 2-core machine one run can be far off).
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
+
+With --soak N it runs instead the longer version of tests/test_serve_soak.py (whose clients it uses, from
+tests/soak.py): N requests from 32 clients to a tiny GPT-2 and to a tiny BERT with a classify head, each served
+with --max-concurrency 8, mixed plain and streamed, ~20% left by their client at a random point, ~10%
+malformed; it prints the requests, the left ones, the statuses, p50 / p99, the server's RSS before and after
+(past a warm-up), whether anything is left running, and how many complete answers differ from the same request
+sent alone.
+
+    python benchmarks/serve.py --soak 10000
 """
 from __future__ import annotations
 
@@ -32,6 +41,9 @@ sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).re
 
 import httpx2 as httpx
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+import soak  # noqa: E402  (the soak's clients, shared with tests/test_serve_soak.py)
 
 import duolm
 from duolm.generation import generate
@@ -63,7 +75,7 @@ def process(cmd, url, log_path, env=None, timeout=300):
                 if httpx.get(url + "/health", timeout=2).status_code == 200:
                     break
             time.sleep(0.5)
-        yield
+        yield proc
     finally:
         proc.kill()           # a benchmark's server has nothing to drain
         proc.wait()
@@ -125,7 +137,11 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every server and of the library run")
     ap.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
+    ap.add_argument("--soak", type=int, default=0, metavar="N", help="run the serving soak of N requests instead")
     args = ap.parse_args()
+    if args.soak:
+        with tempfile.TemporaryDirectory(prefix="duolm-soak-") as tmp:
+            return run_soak(args.soak, Path(tmp))
     torch.set_num_threads(args.threads)
     if not (DATA / "gpt2" / "encoder.json").is_file():
         sys.exit(f"{DATA} is absent: the benchmark needs GPT-2's vocabulary and WikiText-2 from it")
@@ -203,6 +219,42 @@ def run_all(args, model, tok, prompts, tmp):
                 f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in CLIENTS))
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
+
+
+
+def run_soak(n, tmp, clients=32, warmup=500):
+    """The soak of tests/test_serve_soak.py with n requests, on each tiny model in turn; prints its figures."""
+    if not (DATA / "bert-vocab").is_dir():
+        sys.exit(f"{DATA} is absent: the soak needs GPT-2's and BERT's vocabularies from it")
+    args = ["--max-concurrency", "8", "--max-queue", "24", "--max-body-bytes", str(soak.MAX_BODY)]
+    print(f"soak: {n} requests (after {warmup} to warm up) from {clients} clients; server {' '.join(args)}")
+    for model_dir, goods in zip(soak.tiny_models(DATA, tmp), (soak.gpt2_goods(), soak.bert_goods())):
+        url = f"http://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "duolm", "serve", str(model_dir), "--port", url.rsplit(":", 1)[1], *args]
+        with process(cmd, url, tmp / f"{model_dir.name}.log", {"OMP_NUM_THREADS": "1"}) as proc:
+            soak.soak(url, goods, warmup, clients, seed=1)
+            before = soak.settled(url)
+            rss_before = soak.rss_kb(proc.pid)
+            t = time.perf_counter()
+            outcomes = soak.soak(url, goods, n, clients, seed=2, time_limit=60 + n)
+            wall = time.perf_counter() - t
+            m = soak.settled(url)
+            rss_after = soak.rss_kb(proc.pid)
+            health = httpx.get(url + "/health", timeout=10).json()["status"]
+            reference = soak.alone(url, goods)
+        complete = [o for o in outcomes if o.answer is not None]
+        differ = sum(not soak.same(o.answer, reference[o.job.key]) for o in complete)
+        print(f"{model_dir.name}: {soak.figures(outcomes).line()}; {wall:.1f} s")
+        print(f"  RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB ({100 * (rss_after / rss_before - 1):+.2f}%); "
+              f"/health {health}; in flight {m['in_flight']}, running {m['running']}, waiting {m['queue_depth']}"
+              + (f"; rows ended in the soak {ended(before, m)}" if "finish_reasons" in m else "")
+              + f"; {len(complete)} complete answers, {differ} differ from the request alone")
+
+
+
+def ended(before: dict, after: dict) -> dict:
+    """GPT-2's decode rows ended between two /metrics, by finish reason."""
+    return {k: n - before["finish_reasons"].get(k, 0) for k, n in after["finish_reasons"].items()}
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 subcommand against bad input (one line naming the file or the argument, never a traceback)."""
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import random
@@ -159,11 +161,99 @@ def test_a_full_disk_during_a_checkpoint_gives_one_line_and_no_temp_files(tmp_pa
                        env=env, capture_output=True, text=True, preexec_fn=_limit_file_size)
     err = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
-    assert err[-1].startswith("duolm: error: could not write checkpoint") and "ckpt-00000002" in err[-1], err
+    assert err[-1] == (f"duolm: error: could not write {run / 'ckpt-00000004'} (File too large); "
+                       f"the last complete checkpoint is ckpt-00000002"), err
     leftovers = [q.name for q in run.rglob("*") if q.name.startswith(".") or q.name.endswith(".tmp")]
     assert leftovers == []
     assert json.loads((run / "checkpoint.json").read_text())["step"] == 2
     duolm.load(run)
+    # space freed (no limit): --resume goes on from the last complete checkpoint
+    subprocess.run([str(a) for a in base + ["--max-steps", "4", "--resume", "--n-embd", "64", "--n-layer", "2"]],
+                   check=True, env=env, capture_output=True)
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 4
+
+
+def test_the_os_reason_is_found_behind_library_errors():
+    """torch.save and safetensors wrap a failed write in their own errors (these are the ones they raise under
+    RLIMIT_FSIZE); the reason is found behind them, and a WriteError passed on keeps it."""
+    from safetensors import SafetensorError
+
+    from duolm.fileio import write_error
+
+    try:
+        try:
+            raise OSError(errno.EFBIG, os.strerror(errno.EFBIG))
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        torch_err = write_error("/r/train_state.pt", e)
+    assert (torch_err.errno, str(torch_err)) == (errno.EFBIG, "could not write /r/train_state.pt (File too large)")
+    st = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert str(write_error("/r/model.safetensors", st)) == "could not write /r/model.safetensors (No space left on device)"
+    passed_on = write_error("/r/ckpt-00000004", torch_err, "the last complete checkpoint is ckpt-00000002")
+    assert str(passed_on) == "could not write /r/ckpt-00000004 (File too large); the last complete checkpoint is ckpt-00000002"
+    assert str(write_error("/x", RuntimeError("no OS error"))) == "could not write /x (no OS error)"
+
+
+@contextlib.contextmanager
+def _tmpfs(where: Path, options: str):
+    """A tmpfs mounted at `where` for the test's length: a real full or read-only file system, which root cannot
+    write past (chmod does not stop root). Mounting needs root with CAP_SYS_ADMIN; without it the test is skipped,
+    saying why."""
+    where.mkdir()
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True, text=True)
+    if p.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {p.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+
+
+def _no_temp_files(folder: Path):
+    assert [q.name for q in folder.rglob("*") if q.name.startswith(".") or q.name.endswith(".tmp")] == []
+
+
+def test_a_full_file_system_says_no_space_left(models, tmp_path, capsys):
+    """A 64 kB tmpfs: the model's weights do not fit; the line names the file and the OS's reason."""
+    with _tmpfs(tmp_path / "small", "size=64k") as small:
+        _fails(["convert", models / "gpt2", small / "o"], capsys,
+               f"could not write {small / 'o' / 'model.safetensors'} (No space left on device)")
+        _no_temp_files(small)
+
+
+def _writers(models, tmp_path, out: Path) -> list[list]:
+    """Subcommands that write into `out`, each with its input ready."""
+    from duolm.data import prepare
+
+    (tmp_path / "c.txt").write_text(TEXT.replace(". ", ".\n") * 5)
+    if not (tmp_path / "d").exists():
+        prepare([tmp_path / "c.txt"], duolm.load(models / "gpt2")[1], tmp_path / "d", val_fraction=0.2,
+                chunk_chars=2000)
+    return [["tokenizer", "train", "--kind", "bpe", "--vocab-size", "300", tmp_path / "c.txt", "-o", out],
+            ["convert", models / "gpt2", out],
+            ["prepare", tmp_path / "c.txt", "--tokenizer", models / "gpt2", "-o", out, "--quiet", "--workers", "1",
+             "--val-fraction", "0"],
+            ["pretrain", "gpt2", "--data", tmp_path / "d", "-o", out, "--quiet", "--max-steps", "1",
+             "--block-size", "16", "--batch-size", "2", "--eval-every", "0"]]
+
+
+def test_an_unwritable_output_names_the_os_reason_and_the_path(models, tmp_path, capsys):
+    """Root writes through a chmod-ed folder, so the unwritable outputs are ones root cannot bypass: a path under a
+    regular file (mkdir fails: "Not a directory") and, where a tmpfs can be mounted, a read-only file system (the
+    folder exists, the first file write fails: "Read-only file system")."""
+    (tmp_path / "file").write_text("x")
+    under_file = tmp_path / "file" / "out"
+    for argv in _writers(models, tmp_path, under_file):
+        _fails(argv, capsys, under_file, "Not a directory")
+    if os.geteuid() != 0:       # not root: a folder without write permission is unwritable
+        (tmp_path / "ro").mkdir(mode=0o555)
+        for argv in _writers(models, tmp_path, tmp_path / "ro"):
+            _fails(argv, capsys, tmp_path / "ro", "Permission denied")
+        return
+    with _tmpfs(tmp_path / "ro", "ro,size=64k") as ro:
+        for argv in _writers(models, tmp_path, ro):
+            _fails(argv, capsys, ro, "Read-only file system")
 
 
 # --- issue: typed special tokens are text -------------------------------------------------------------

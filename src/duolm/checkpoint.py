@@ -416,12 +416,8 @@ def _save_safetensors(sd: dict, file: Path):
     them: it re-ties them on load, and safetensors refuses two names for one tensor."""
     out = {k: sd[k].to("cpu").contiguous() for k in sorted(sd) if k not in _hf.HF_TIED_KEYS}
 
-    def write(tmp):
-        try:
-            _st_save_file(out, tmp, metadata={"format": "pt"})
-        except SafetensorError as e:   # the library reports a full disk as its own error type
-            raise OSError(f"could not write {file} ({e})") from None
-    atomic_write(file, write)
+    # a full disk raises safetensors' own SafetensorError; atomic_write finds the OS's reason in it
+    atomic_write(file, lambda tmp: _st_save_file(out, tmp, metadata={"format": "pt"}))
 
 
 def _save_tokenizer(tokenizer, path: Path):

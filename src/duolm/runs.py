@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from duolm.fileio import read_json, write_json, write_text
+from duolm.fileio import read_json, write_error, write_json, write_text
 
 MANIFEST = "checkpoint.json"
 METRICS = "metrics.jsonl"
@@ -76,8 +76,7 @@ def save_checkpoint(run_dir, step: int, write: Callable[[Path], None], keep_last
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         last = (read_manifest(run_dir) or {}).get("latest")
-        raise OSError(f"could not write checkpoint {final} ({e.strerror or e}); the last complete checkpoint "
-                      f"is {last or 'none (nothing saved yet)'}") from None
+        raise write_error(final, e, f"the last complete checkpoint is {last or 'none (nothing saved yet)'}") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

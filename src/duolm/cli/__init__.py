@@ -21,6 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _message(e: Exception) -> str:
+    """The error's one line. Python's own OSErrors read "[Errno 20] Not a directory: '/x'"; they are said the way
+    duolm's errors are, path first: "/x: Not a directory"."""
+    if isinstance(e, OSError) and type(e).__str__ is OSError.__str__ and e.strerror and e.filename:
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 else f"{e.filename}"
+        return f"{where}: {e.strerror}"
+    return str(e)
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
@@ -28,7 +37,7 @@ def main(argv=None):
     except (ValueError, OSError, ImportError) as e:   # expected: bad input, missing files, a full disk, an extra
         if args.debug:
             raise
-        print(f"duolm: error: {e}", file=sys.stderr)
+        print(f"duolm: error: {_message(e)}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
         print("duolm: interrupted", file=sys.stderr)

@@ -31,6 +31,7 @@ from torch import nn
 from duolm import runs
 from duolm.checkpoint import load, save
 from duolm.config import opt
+from duolm.fileio import write_error
 from duolm.objectives import Objective
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
@@ -121,8 +122,8 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer
         try:
             with open(folder / TRAIN_STATE, "wb") as f:
                 torch.save(state, f)
-        except RuntimeError as e:      # torch reports a failed write (a full disk) as a RuntimeError
-            raise OSError(f"could not write {folder / TRAIN_STATE} ({e})") from None
+        except (OSError, RuntimeError) as e:   # torch wraps a failed write (a full disk) in a RuntimeError
+            raise write_error(folder / TRAIN_STATE, e) from e
     return runs.save_checkpoint(run_dir, step, write, keep_last, best)
 
 

@@ -1,0 +1,66 @@
+"""A bounded soak of `duolm serve` on 127.0.0.1 (tests/soak.py sends it; `benchmarks/serve.py --soak N` is the
+longer version): 1,000 requests from 32 clients to a server with --max-concurrency 8, mixed plain and streamed,
+~20% left by their client at a random point, ~10% malformed; capacity 8 + 24 waiting, so a 429 comes only
+while a left request still holds its place. Only 200 / 400 / 413 / 429 come back; afterwards
+/health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up, and every
+complete answer equals the same request sent alone. The same for BERT's routes (embeddings, a fine-tuned head)."""
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx2")
+
+import soak  # noqa: E402
+from test_serve_e2e import server  # noqa: E402
+
+N, WARMUP, CLIENTS = 1000, 200, 32
+ARGS = ["--max-concurrency", "8", "--max-queue", "24", "--max-body-bytes", str(soak.MAX_BODY)]
+
+
+@pytest.fixture(scope="module")
+def models(data_dir, tmp_path_factory):
+    return soak.tiny_models(data_dir, tmp_path_factory.mktemp("soak-models"))
+
+
+def _soak(model_dir, goods, log):
+    """Runs the warm-up and the soak on one server; checks what every soak test checks; returns the soak's
+    outcomes and the metrics before and after it."""
+    with server(model_dir, log, *ARGS) as (url, proc):
+        soak.soak(url, goods, WARMUP, CLIENTS, seed=1)
+        before = soak.settled(url)
+        rss_before = soak.rss_kb(proc.pid)
+        outcomes = soak.soak(url, goods, N, CLIENTS, seed=2)
+        metrics = soak.settled(url)
+        rss_after = soak.rss_kb(proc.pid)
+        assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
+        reference = soak.alone(url, goods)
+    assert "Traceback" not in log.read_text()                  # no request, left or malformed, was an error
+    fig = soak.figures(outcomes)
+    print(f"\n{model_dir.name}: {fig.line()}; RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB")
+    assert fig.requests == N and set(fig.statuses) <= {200, 400, 413, 429, "left"}, fig.statuses
+    assert (metrics["in_flight"], metrics["running"], metrics["queue_depth"]) == (0, 0, 0), metrics
+    assert rss_after < 1.05 * rss_before, (rss_before, rss_after)
+    for o in outcomes:
+        if o.job.key is None:                                   # malformed: its own error, or over capacity
+            assert o.status in (o.job.expect, 429), (o.status, o.job)
+        elif o.answer is not None:
+            assert soak.same(o.answer, reference[o.job.key]), (o.job, o.answer, reference[o.job.key])
+    complete = [o for o in outcomes if o.answer is not None]
+    assert fig.left > 100 and len(complete) > 300 and fig.statuses.get(400) and fig.statuses.get(413)
+    return outcomes, before, metrics
+
+
+def test_gpt2_soak(models, tmp_path):
+    outcomes, before, after = _soak(models[0], soak.gpt2_goods(), tmp_path / "gpt2.log")
+    streams = [o for o in outcomes if o.job.stream and o.answer is not None]
+    assert len(streams) > 200                                    # complete streams were compared, not plain only
+    left_streams = sum(o.left and o.job.stream for o in outcomes)
+    # a stream left before its last token ends its row "cancelled" (one left after the last token has none)
+    cancelled = after["finish_reasons"].get("cancelled", 0) - before["finish_reasons"].get("cancelled", 0)
+    assert 0 < cancelled <= left_streams
+
+
+def test_bert_soak(models, tmp_path):
+    outcomes, _, _ = _soak(models[1], soak.bert_goods(), tmp_path / "bert.log")
+    routes = {o.job.route for o in outcomes if o.answer is not None}
+    assert routes == {"/v1/embeddings", "/v1/classify"}
