@@ -8,12 +8,12 @@
 """
 from __future__ import annotations
 
-from dataclasses import field, replace
+from dataclasses import field, is_dataclass, replace
 
 
 def opt(default, help: str, **meta):
     """A dataclass field with `default` and metadata {"help": help, **meta} (cli=False: no flag; choices=...).
     A mutable default (a dataclass instance) is given as a factory of copies."""
-    if hasattr(default, "__dataclass_fields__"):
+    if is_dataclass(default):
         return field(default_factory=lambda: replace(default), metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})

@@ -45,10 +45,9 @@ def options(cls, args):
     kw = {}
     for f in dataclasses.fields(cls):
         if dataclasses.is_dataclass(hints[f.name]):
-            inner = f.default_factory()
+            inner, pick = f.default_factory(), f.metadata.get("fields")
             kw[f.name] = dataclasses.replace(inner, **{g.name: getattr(args, g.name) for g in dataclasses.fields(inner)
-                                                       if hasattr(args, g.name) and g.name in (f.metadata.get("fields")
-                                                                                               or {g.name: 1})})
+                                                       if hasattr(args, g.name) and (pick is None or g.name in pick)})
         elif hasattr(args, f.name):
             kw[f.name] = getattr(args, f.name)
     return cls(**kw)

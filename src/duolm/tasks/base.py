@@ -96,7 +96,6 @@ class Task:
     score(model, tokenizer, items, features, batch_size) -> {metric: value} (the official metrics; features may
           be None; those named in `percent` are x 100, as the official scripts give them);
     trained(items) -> the items that are trained on (default: all)."""
-    name: str
     kinds: tuple
     names: tuple
     unit: str

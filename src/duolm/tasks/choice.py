@@ -36,7 +36,7 @@ class Choice:
     where: str = ""
 
 
-def read_choices(path, labelled: bool = True) -> list[Choice]:
+def read_choices(path) -> list[Choice]:
     """The rows of a multiple-choice file (see the module doc); a label that is not the number of an ending is an
     error naming the file and line."""
     header, rows = read_rows(path)
@@ -47,21 +47,17 @@ def read_choices(path, labelled: bool = True) -> list[Choice]:
     if len(endings) < 2 or [n for n, _ in endings] != list(range(len(endings))):
         raise ValueError(f"{path}: expected the columns ending0, ending1, ... (two or more); the columns are: "
                          f"{', '.join(map(str, header))}")
-    if labelled:
-        column(path, header, "label", "label")
+    column(path, header, "label", "label")
     out = []
     for line, row in rows:
-        label = None
-        if labelled:
-            label = row.get("label")
-            if str(label).strip() not in {str(n) for n, _ in endings}:
-                raise ValueError(f"{path} line {line}: label {label!r} is not the number of an ending "
-                                 f"(0 to {len(endings) - 1})")
-            label = int(str(label).strip())
+        label = str(row.get("label")).strip()
+        if label not in {str(n) for n, _ in endings}:
+            raise ValueError(f"{path} line {line}: label {row.get('label')!r} is not the number of an ending "
+                             f"(0 to {len(endings) - 1})")
         texts = [row.get(h) for _, h in endings]
         if row.get("context") is None or any(t is None for t in texts):
             raise ValueError(f"{path} line {line}: a context and {len(endings)} endings are needed")
-        out.append(Choice(str(row["context"]), [str(t) for t in texts], label, f"{path}:{line}"))
+        out.append(Choice(str(row["context"]), [str(t) for t in texts], int(label), f"{path}:{line}"))
     return out
 
 
@@ -122,16 +118,12 @@ def encode(choices, tokenizer, head: HeadConfig, options=None) -> ChoiceFeatures
     out = ChoiceFeatures([], [], [] if choices and all(c.label is not None for c in choices) else None,
                          tokenizer.pad_id)
     for i, c in enumerate(choices):
-        ids, segs = [], []
-        for ending in c.endings:
-            enc = tokenizer.encode(c.context, ending)
-            if len(enc.ids) > head.max_length:
-                enc = tokenizer.encode(c.context, ending, max_length=head.max_length)
-                out.cut += [] if out.cut and out.cut[-1] == i else [i]
-            ids.append(enc.ids)
-            segs.append(enc.segment_ids)
-        out.ids.append(ids)
-        out.segment_ids.append(segs)
+        encs = [tokenizer.encode(c.context, ending) for ending in c.endings]
+        if any(len(e.ids) > head.max_length for e in encs):
+            encs = [tokenizer.encode(c.context, ending, max_length=head.max_length) for ending in c.endings]
+            out.cut.append(i)
+        out.ids.append([e.ids for e in encs])
+        out.segment_ids.append([e.segment_ids for e in encs])
         if out.labels is not None:
             out.labels.append(c.label)
     return out
@@ -191,5 +183,5 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("choice", [], data.name, min(options.max_length or MAX_LENGTH, block_size))
 
 
-TASK = Task(name="choice", kinds=("choice",), names=("multiple-choice", "swag"), unit="training examples", read=read,
+TASK = Task(kinds=("choice",), names=("multiple-choice", "swag"), unit="training examples", read=read,
             head=make_head, encode=encode, objective=objective, predict=predict, score=score)

@@ -477,6 +477,6 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
                       options.both_orders)
 
 
-TASK = Task(name="sentence", kinds=("classify", "regress"), names=tuple(GLUE) + USER_TASKS, unit="training examples",
+TASK = Task(kinds=("classify", "regress"), names=tuple(GLUE) + USER_TASKS, unit="training examples",
             read=read, head=make_head, encode=encode, objective=lambda family, head, lm_coef: sequence_objective(
                 family, head.kind, lm_coef if family == "gpt2" else 0.0), predict=predict, score=score)

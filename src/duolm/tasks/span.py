@@ -329,6 +329,6 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("span", [], "squad", min(options.max_length or SPAN_MAX_LENGTH, block_size))
 
 
-TASK = Task(name="span", kinds=("span",), names=("squad",), unit="training questions", read=read, head=make_head,
+TASK = Task(kinds=("span",), names=("squad",), unit="training questions", read=read, head=make_head,
             encode=encode, objective=objective, predict=predict, score=score, percent=("exact_match", "f1"),
             trained=lambda questions: [q for q in questions if q.answers or q.impossible])

@@ -299,5 +299,5 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("tag", data.labels, data.name, min(options.max_length or MAX_LENGTH, block_size))
 
 
-TASK = Task(name="tagging", kinds=("tag",), names=("conll2003", "ner"), unit="training sentences", read=read,
+TASK = Task(kinds=("tag",), names=("conll2003", "ner"), unit="training sentences", read=read,
             head=make_head, encode=encode, objective=objective, predict=predict, score=score)
