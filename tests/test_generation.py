@@ -1,6 +1,6 @@
 """Generation: sampling filters (worked examples + transformers' processors), KV-cached decoding
 against full recompute, greedy / beam / sampling against transformers' generate on the same tiny
-random weights, batching, stops, the context window, BERT fill-mask, int8 decoding, TextStream."""
+random weights, batching, stops, the context window, BERT fill-mask, TextStream."""
 import math
 
 import pytest
@@ -328,92 +328,6 @@ def test_fill_mask_equals_transformers():
         assert fillers[0][1] >= fillers[-1][1]
     with pytest.raises(ValueError, match="no mask token"):
         fill_mask(ours, [2, 17, 3], mask_id=MASK)
-
-
-# ---------------------------------------------------------------------------------------------
-# weight-only int8 / bf16 decoding
-
-@pytest.mark.parametrize("mode,tol", [("int8", 0.05), ("bf16", 0.03)])
-def test_weight_only_logits_close_to_fp32(mode, tol):
-    from duolm.decoding import quantize
-    torch.manual_seed(0)
-    model = GPT2(_tiny_config()).eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    q = quantize(model, mode)
-    idx = torch.randint(0, 97, (2, 20))
-    with torch.no_grad():
-        ref, got = model(idx), q(idx)
-    assert got.shape == ref.shape and got.dtype == torch.float32
-    rel = (got - ref).norm() / ref.norm()
-    assert 0 < rel < tol                       # not exact (it is quantized), but close
-    p, r = got.log_softmax(-1), ref.log_softmax(-1)
-    kl = (r.exp() * (r - p)).sum(-1).mean()
-    assert kl < 1e-3
-    # the quantized model still decodes through the cache like the plain path
-    out = _collect(generate(q, [idx[0].tolist()], 6, temperature=0), 1)[0]
-    with torch.no_grad():
-        seq = idx[0].tolist() + out
-        assert q(torch.tensor([seq]))[0, 19:25].argmax(-1).tolist() == out
-    # the original model is untouched
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith(("c_attn", "c_fc")))
-    with pytest.raises(ValueError, match="int4"):
-        quantize(model, "int4")
-
-
-def test_decode_layout_matches_plain():
-    from duolm.decoding import DECODE_KINDS, DecodeGPT2, DecodeLinear, decode_layout
-    torch.manual_seed(0)
-    model = GPT2(_tiny_config()).eval()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    d = decode_layout(model)
-    everywhere = DecodeGPT2(model, max_rows=10**9)      # the (in, out) path for every input
-    idx = torch.randint(0, 97, (2, 20))
-    with torch.no_grad():
-        ref = model(idx)
-        for m in (d, everywhere):
-            got = m(idx)
-            assert got.shape == ref.shape and got.dtype == torch.float32
-            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-        # one row: the shape decoding takes (and the only one `d` sends through the copies)
-        torch.testing.assert_close(d(idx[:1, :1]), model(idx[:1, :1]), atol=1e-5, rtol=0)
-    # greedy ids equal at batch 1 and 2 (one row per step at batch 1; the plain path at 2)
-    for prompts in ([idx[0].tolist()], [idx[0].tolist(), idx[1, :7].tolist()]):
-        want = _collect(generate(model, prompts, 12, temperature=0), len(prompts))
-        assert _collect(generate(d, prompts, 12, temperature=0), len(prompts)) == want
-        assert _collect(generate(everywhere, prompts, 12, temperature=0), len(prompts)) == want
-    # the chosen matrices got copies; every parameter is the original's, shared and unchanged
-    kinds = {n for n, m in d.inner.named_modules() if isinstance(m, DecodeLinear)}
-    assert kinds and all(n.endswith(DECODE_KINDS) for n in kinds)
-    assert {id(p) for p in d.parameters()} == {id(p) for p in model.parameters()}
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    assert all(type(m) is torch.nn.Linear for n, m in model.named_modules() if n.endswith(("c_attn", "c_fc")))
-    assert all(p.requires_grad for p in model.parameters())
-
-
-def test_decode_layout_head_equals_the_plain_head():
-    """The decode layout's output layer, as decoding calls it (no autograd): one row through the (in, out)
-    copy, 2-16 rows in vocabulary slices (a vocabulary of 2500 rows padded to 2560: slices of 1024, 1024,
-    512), more rows as GPT2.head. Every path equals the plain tied layer within 1e-6."""
-    from duolm.decoding import HEAD_SLICE, HEAD_SLICE_ROWS, decode_layout, sliced_head
-    torch.manual_seed(0)
-    model = GPT2(GPT2Config(vocab_size=2500, block_size=16, n_layer=1, n_head=2, n_embd=32)).eval()
-    d = decode_layout(model)
-    assert HEAD_SLICE_ROWS == 16 and model.wte.weight.shape[0] % HEAD_SLICE
-    w = model.wte.weight
-    for n in (1, 2, 8, 16, 17):
-        h = torch.randn(n, 32)
-        plain = torch.nn.functional.linear(h, w[:2500])
-        with torch.inference_mode():
-            got = d.head(h)
-            assert got.shape == (n, 2500)
-            torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
-            torch.testing.assert_close(sliced_head(h, w, 2500), plain, atol=1e-6, rtol=0)
-            torch.testing.assert_close(d.head(h[:, None]), plain[:, None], atol=1e-6, rtol=0)   # (B, 1, C) too
-    # with autograd the decode layout is GPT2.head (the slices are written in place)
-    h = torch.randn(8, 32, requires_grad=True)
-    torch.testing.assert_close(d.head(h), model.head(h), atol=0, rtol=0)
-    assert d.head(h).requires_grad
 
 
 # ---------------------------------------------------------------------------------------------

@@ -119,7 +119,8 @@ def test_accumulation_equals_one_big_batch():
     results = {}
     for micro in (16, 4):
         model = tiny_gpt2()
-        cfg = TrainConfig(max_steps=4, batch_size=16, micro_batch_size=micro, lr=3e-3, warmup_steps=1)
+        cfg = TrainConfig(max_steps=4, batch_size=16, micro_batch_size=micro, lr=3e-3, warmup_steps=1,
+                          precision="fp32")
         rows = train(model, CAUSAL_LM, Windows(), cfg)["rows"]
         results[micro] = (_losses(rows), [r["grad_norm"] for r in rows], model.state_dict())
     (l1, g1, w1), (l4, g4, w4) = results[16], results[4]
@@ -232,7 +233,8 @@ def test_same_math_as_transformers():
     hf.load_state_dict(gpt2_to_hf(model.state_dict()), strict=False)
     hf.train()
     data = Windows(holes=False)
-    cfg = TrainConfig(max_steps=20, batch_size=8, lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=1.0)
+    cfg = TrainConfig(max_steps=20, batch_size=8, lr=3e-3, warmup_steps=3, weight_decay=0.1, grad_clip=1.0,
+                      precision="fp32")
     ours = _losses(train(model, CAUSAL_LM, data, cfg)["rows"])
 
     decay = [p for p in hf.parameters() if p.dim() >= 2]
@@ -278,7 +280,7 @@ def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
     cmd = [*start, "pretrain", "gpt2", "--data", str(data), "-o", str(run),
            "--preset", "tiny", "--block-size", "32", "--batch-size", "8", "--micro-batch-size", "2",
            "--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--checkpoint-every", "2",
-           "--eval-every", "4", "--eval-batches", "2", "--quiet", *extra]
+           "--eval-every", "4", "--eval-batches", "2", "--quiet", "--precision", "fp32", *extra]
     # Bitwise equality across processes needs a reproducible BLAS: one thread, and MKL's conditional numerical
     # reproducibility (without it MKL may pick kernels by memory alignment, a different rounding per process).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE",
@@ -315,6 +317,24 @@ def test_sigkill_anywhere_then_resume_is_exact(gpt2_data, tmp_path):
     wa, wb = _weights(tmp_path / "a" / "ckpt-00000012"), _weights(b / "ckpt-00000012")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
     assert not list(b.glob(".tmp-*"))
+
+
+def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path):
+    """bf16 autocast (fp32 weights and optimizer state): a run killed after step 5 and resumed equals the run
+    straight through, bit for bit; resuming it in fp32 is refused in one line."""
+    bf16 = ("--dropout", "0.1", "--precision", "bf16")
+    _pretrain(gpt2_data, tmp_path / "a", *bf16)
+    b = tmp_path / "b"
+    p = _pretrain(gpt2_data, b, *bf16, "--resume", crash="5:step", check=False)
+    assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
+    p = _pretrain(gpt2_data, b, "--resume", check=False)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "trained in bf16" in p.stderr, p.stderr
+    _pretrain(gpt2_data, b, *bf16, "--resume")
+    rows_a, rows_b = read_metrics(tmp_path / "a"), read_metrics(b)
+    assert _losses(rows_b) == _losses(rows_a)
+    wa, wb = _weights(tmp_path / "a" / "ckpt-00000012"), _weights(b / "ckpt-00000012")
+    assert all(torch.equal(wa[k], wb[k]) and wa[k].dtype == torch.float32 for k in wa)
+    assert json.loads((b / "checkpoint.json").read_text())["precision"] == "bf16"
 
 
 def test_torchrun_ddp_matches_one_process(gpt2_data, tmp_path):

@@ -58,10 +58,11 @@ def latest_checkpoint(run_dir, weights: str = "model.safetensors") -> Path:
 
 
 def save_checkpoint(run_dir, step: int, write: Callable[[Path], None], keep_last: int = 3,
-                    best: dict | None = None) -> Path:
+                    best: dict | None = None, info: dict | None = None) -> Path:
     """Writes RUN/ckpt-<step>/ with `write(folder)` through a temp folder, then the manifest, then prunes
     all but the newest `keep_last` checkpoints (and orphans of killed runs). `best` is recorded in the
-    manifest as given (e.g. {"metric": "val_accuracy", "value": 0.91, "step": 300}). On failure (a full
+    manifest as given (e.g. {"metric": "val_accuracy", "value": 0.91, "step": 300}), and so are the
+    entries of `info` (facts of the whole run, e.g. {"precision": "bf16"}). On failure (a full
     disk, say) the temp folder is removed and the previous checkpoint stays the latest."""
     run_dir = Path(run_dir)
     name = ckpt_name(step)
@@ -83,7 +84,7 @@ def save_checkpoint(run_dir, step: int, write: Callable[[Path], None], keep_last
     old = read_manifest(run_dir) or {}
     kept = [c for c in old.get("checkpoints", []) if c != name and int(c.split("-")[1]) < step]
     kept = (kept + [name])[-keep_last:]
-    manifest = {"latest": name, "step": step, "checkpoints": kept}
+    manifest = {**(info or {}), "latest": name, "step": step, "checkpoints": kept}
     if best or old.get("best"):
         manifest["best"] = best or old["best"]
     write_manifest(run_dir, manifest)

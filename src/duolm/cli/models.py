@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from duolm.cli.options import Progress, add_options, options
+from duolm.cli.options import Progress, add_options, add_precision, options
 
 
 def cmd_tokenizer_train(args):
@@ -102,7 +102,8 @@ def add_prepare(sub):
 def cmd_pretrain(args):
     from duolm.train import ModelConfig, TrainConfig, pretrain
 
-    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2")
+    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2",
+                        args.precision)
     try:
         r = pretrain(args.family, args.data, args.out, options(ModelConfig, args), options(TrainConfig, args),
                      resume=args.resume, device=args.device, on_start=progress.start, on_log=progress)
@@ -132,27 +133,24 @@ def add_pretrain(sub):
 
 def cmd_generate(args):
     from duolm.checkpoint import load
-    from duolm.decoding import decode_layout, quantize
     from duolm.generation import StopReason
+    from duolm.precision import inference
     from duolm.textgen import generate_text
 
     model, tok = load(args.dir)
-    if args.quantize:
-        model = quantize(model, args.quantize)
-    elif args.num_beams == 1 and not args.plain_layout and hasattr(model, "hidden"):
-        model = decode_layout(model)         # same numbers, ~1.4x tokens/s on CPU, ~380 MB more for 124M
-    gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                        num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
-                        seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
-    if gen.truncated_from:
-        print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
-              file=sys.stderr)
-    sys.stdout.write(args.prompt)
-    for piece in gen:
-        sys.stdout.write(piece)
-        if args.stream:
-            sys.stdout.flush()
+    with inference(args.precision, "cpu"):
+        gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                            num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
+                            seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
+        if gen.truncated_from:
+            print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
+                  file=sys.stderr)
+        sys.stdout.write(args.prompt)
+        for piece in gen:
+            sys.stdout.write(piece)
+            if args.stream:
+                sys.stdout.flush()
     print()
     if gen.stop_reason == StopReason.CONTEXT:
         print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
@@ -179,9 +177,7 @@ def add_generate(sub):
                    help="left: drop the oldest prompt tokens so prompt + new tokens fit the context window")
     p.add_argument("--allow-special", action="store_true",
                    help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
-    p.add_argument("--quantize", choices=["int8", "bf16"], default=None,
-                   help="weight-only int8/bf16 matmuls: faster CPU decoding, slightly different numbers")
-    p.add_argument("--plain-layout", action="store_true", help="skip the fp32 decode layout (saves ~380 MB for 124M)")
+    add_precision(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -189,8 +185,11 @@ def cmd_fill_mask(args):
     from duolm.checkpoint import load
     from duolm.textgen import fill_mask_text
 
+    from duolm.precision import inference
+
     model, tok = load(args.dir)
-    results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)
+    with inference(args.precision, "cpu"):
+        results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)
     for n, fillers in enumerate(results, 1):
         print(f"[MASK] {n}:" if len(results) > 1 else "[MASK]:")
         width = max(len(piece) for piece, _ in fillers)
@@ -204,6 +203,7 @@ def add_fill_mask(sub):
     p.add_argument("dir", help="model directory with a masked-LM head and vocab.txt")
     p.add_argument("text", help='text with one or more [MASK], e.g. "The capital of France is [MASK]."')
     p.add_argument("--top-k", type=int, default=5, help="fillers shown per mask (default 5)")
+    add_precision(p)
     p.set_defaults(func=cmd_fill_mask)
 
 

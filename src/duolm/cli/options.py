@@ -38,6 +38,15 @@ def add_options(parser, cls) -> None:
                                 help=meta.get("help", "") + ("" if default is None else f" (default: {default})"))
 
 
+def add_precision(parser) -> None:
+    """--precision of an inference command (prediction, evaluation, generation)."""
+    from duolm.precision import PRECISIONS
+
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="matmul arithmetic: fp32 exact (auto), or weight-only bf16 / int8 on CPU (faster, "
+                             "slightly different numbers)")
+
+
 def options(cls, args):
     """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults; a field holding
     a dataclass is its default instance with the flagged fields replaced)."""
@@ -57,13 +66,17 @@ class Progress:
     """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
     printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
 
-    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False, precision: str = "auto"):
         self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
+        self.precision = precision
 
     def start(self, model, device, step):
         from tqdm import tqdm
 
-        print(f"{self.name}: {model.num_params():,} parameters on {device}" + (f"; resuming at step {step}" if step else ""))
+        from duolm.precision import choose
+
+        print(f"{self.name}: {model.num_params():,} parameters on {device} in "
+              f"{choose(self.precision, device, training=True)}" + (f"; resuming at step {step}" if step else ""))
         self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
 
     def __call__(self, row):

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from duolm.cli.options import Bars, add_options, options
+from duolm.cli.options import Bars, add_options, add_precision, options
 
 
 def add_task_data(p):
@@ -24,8 +24,8 @@ def _finetune_banner(info, out) -> list[str]:
     labels = f", labels {' '.join(info['labels'])}" if info["labels"] else ""
     dev = ", ".join(f"{n:,} {k}" for k, n in info["dev"].items())
     cut = [f"{n:,} {k} input(s) longer than {info['max_length']} tokens were cut" for k, n in info["truncated"].items() if n]
-    return [f"{info['family']} on {info['device']}: {info['task']} ({info['kind']}{labels}), {info['train']:,} train, "
-            f"{dev}; {info['runs']} run(s) of {info['steps']} steps -> {out}"] + [f"note: {n}" for n in info["notes"] + cut]
+    return [f"{info['family']} on {info['device']} in {info['precision']}: {info['task']} ({info['kind']}{labels}), "
+            f"{info['train']:,} train, {dev}; {info['runs']} run(s) of {info['steps']} steps -> {out}"] + [f"note: {n}" for n in info["notes"] + cut]
 
 
 def _files(args):
@@ -117,15 +117,17 @@ def _prediction_line(inp, r) -> str:
 
 def cmd_predict(args):
     from duolm.fileio import write_text
+    from duolm.precision import inference
     from duolm.tasks import load_finetuned, predict
     from duolm.tasks.sentence import write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    if args.data:
-        files = write_glue_predictions(model, tok, args.data, args.out)
-        return print("wrote " + ", ".join(map(str, files)))
-    inputs = _read_inputs(args, model.head.kind)
-    results = predict(model, tok, inputs)
+    with inference(args.precision, args.device or "cpu"):
+        if args.data:
+            files = write_glue_predictions(model, tok, args.data, args.out)
+            return print("wrote " + ", ".join(map(str, files)))
+        inputs = _read_inputs(args, model.head.kind)
+        results = predict(model, tok, inputs)
     if args.json:
         return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
     lines = [_prediction_line(i, r) for i, r in zip(inputs, results)]
@@ -149,14 +151,17 @@ def add_predict(sub):
     p.add_argument("-o", "--out", default=None, help="output file (--file) or folder (--data)")
     p.add_argument("--device", default=None)
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    add_precision(p)
     p.set_defaults(func=cmd_predict)
 
 
 def cmd_evaluate(args):
+    from duolm.precision import inference
     from duolm.tasks import evaluate, load_finetuned
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
+    with inference(args.precision, args.device or "cpu"):
+        metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
     if args.json:
         return print(json.dumps({"task": model.head.task, "split": args.split, **metrics}))
     print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
@@ -169,6 +174,7 @@ def add_evaluate(sub):
     p.add_argument("--split", choices=["dev", "train"], default="dev")
     p.add_argument("--dev-fraction", type=float, default=0.0, help="as given to finetune: the held-out end of train")
     add_task_data(p)
+    add_precision(p)
     p.set_defaults(func=cmd_evaluate)
 
 
@@ -176,12 +182,13 @@ def cmd_eval(args):
     from duolm.checkpoint import load
     from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
     from duolm.fileio import write_json, write_text
+    from duolm.precision import inference
 
     if not ((args.task and args.data) or (args.suite and args.data_dir)):
         raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
     model, tok = load(args.model)
     opts = dataclasses.asdict(options(EvalOptions, args))
-    with Bars(args.json) as bars:
+    with Bars(args.json) as bars, inference(args.precision, "cpu"):
         def progress(task, done, total, metrics):
             bar = bars(task, total, desc=task, leave=False)
             bar.update(done - bar.n)
@@ -211,4 +218,5 @@ def add_eval(sub):
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("-o", "--out", help="write the result as JSON here and the markdown table beside it (.md)")
     add_options(p.add_argument_group("protocol"), EvalOptions)
+    add_precision(p)
     p.set_defaults(func=cmd_eval)

@@ -278,16 +278,15 @@ def eval_batches(features, batch_size: int, rank: int = 0, world_size: int = 1
 def run_model(forward: Callable, model, features, batch_size: int = 64) -> list[torch.Tensor]:
     """forward(model, batch) -> outputs (B, ...) for every row of `features`, in order: float32 CPU tensors, each
     row's cut to its length when the outputs have a token axis (its length given by features.lengths()). The model
-    is in eval mode meanwhile; on CUDA under bf16 autocast."""
+    is in eval mode meanwhile. The precision is the caller's context (duolm.precision: training() in a run's
+    validation, Inference in prediction)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     lengths = features.lengths()
     out: list = [None] * len(features)
-    bf16 = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     for index, batch in eval_batches(features, batch_size):
-        with bf16:
-            logits = forward(model, {k: v.to(device, non_blocking=True) for k, v in batch.items()}).float().cpu()
+        logits = forward(model, {k: v.to(device, non_blocking=True) for k, v in batch.items()}).float().cpu()
         for row, i in enumerate(index):
             out[i] = logits[row, :lengths[i]] if logits.dim() > 2 else logits[row]
     model.train(was_training)

@@ -23,6 +23,7 @@ from duolm.config import opt
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, attach_head
+from duolm.precision import choose
 from duolm.runs import read_metrics, replace_folder
 from duolm.tasks import Files, TaskBatches, TaskOptions
 from duolm.tasks.glue import GLUE
@@ -43,7 +44,8 @@ FINETUNE_LOOP = TrainConfig(batch_size=32, weight_decay=0.01, betas=(0.9, 0.999)
 # pretraining's); the others follow from the recipe.
 LOOP_OPTIONS = {"batch_size": "examples per optimizer step", "micro_batch_size": "examples per forward (default: "
                 "the whole batch)", "weight_decay": None, "grad_clip": None, "eval_every": "also validate every N "
-                "steps (0: after every epoch)", "seed": "first seed; seeds are seed, seed+1, ...", "compile": None}
+                "steps (0: after every epoch)", "seed": "first seed; seeds are seed, seed+1, ...", "compile": None,
+                "precision": None}
 
 
 @dataclass
@@ -182,7 +184,8 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, fi
     seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
     info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
             "metric": prepared.metrics[0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared.train, cfg)[1],
-            "max_length": prepared.head.max_length, "config": asdict(cfg)}
+            "max_length": prepared.head.max_length, "precision": choose(cfg.loop.precision, dev, training=True),
+            "config": asdict(cfg)}
     if on_start is not None:
         on_start(info)
     run_dir = Path(run_dir)

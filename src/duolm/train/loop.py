@@ -33,6 +33,7 @@ from duolm.checkpoint import load, save
 from duolm.config import opt
 from duolm.fileio import write_error
 from duolm.objectives import Objective
+from duolm.precision import TRAINING, choose, inference, training
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
 
@@ -59,7 +60,9 @@ class TrainConfig:
     keep_last: int = opt(3, "checkpoints kept (the newest)")
     seed: int = opt(0, "seed of the weights, the data order and dropout")
     compile: bool = opt(False, "torch.compile the model for training")
-    bf16: bool = opt(True, "bf16 autocast on CUDA", cli=False)
+    precision: str = opt("auto", "arithmetic of training: bf16 autocast (fp32 weights, optimizer state and "
+                         "losses) or fp32; auto: bf16 where the device computes it natively (CUDA, CPUs with "
+                         "AVX512-BF16 or AMX), fp32 elsewhere", choices=TRAINING)
     select_metric: str | None = opt(None, "keep RUN/best/ by this validation metric (e.g. val_accuracy)", cli=False)
     select_mode: str = opt("max", "whether a larger or smaller select_metric is better", cli=False)
 
@@ -106,17 +109,12 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
     return ((seed * 1_000_003 + step) * 1_009 + rank) % (2 ** 63)
 
 
-def _autocast(device, cfg):
-    if device.type == "cuda" and cfg.bf16:
-        return lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
-
-
 # --- checkpoints ------------------------------------------------------------------------------
 
 def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer=None, keep_last: int = 3,
-                    best: dict | None = None) -> Path:
-    """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs."""
+                    best: dict | None = None, info: dict | None = None) -> Path:
+    """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs (best, info: see
+    duolm.runs.save_checkpoint)."""
     def write(folder):
         save(model, folder, tokenizer=tokenizer)
         try:
@@ -124,7 +122,7 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer
                 torch.save(state, f)
         except (OSError, RuntimeError) as e:   # torch wraps a failed write (a full disk) in a RuntimeError
             raise write_error(folder / TRAIN_STATE, e) from e
-    return runs.save_checkpoint(run_dir, step, write, keep_last, best)
+    return runs.save_checkpoint(run_dir, step, write, keep_last, best, info)
 
 
 def load_train_state(run_dir, model: nn.Module) -> dict | None:
@@ -151,9 +149,9 @@ def load_train_state(run_dir, model: nn.Module) -> dict | None:
 # --- evaluation -------------------------------------------------------------------------------
 
 @torch.no_grad()
-def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: int | None = None,
-             autocast=contextlib.nullcontext) -> dict:
-    """Mean loss (and the objective's metrics) over `batches` (this rank's share), summed over ranks."""
+def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: int | None = None) -> dict:
+    """Mean loss (and the objective's metrics) over `batches` (this rank's share), summed over ranks, in the
+    caller's precision context."""
     device = next(model.parameters()).device
     micros = [m for b in batches for m in
               (_micro_batches(_to(b, device), micro_batch_size) if micro_batch_size else [_to(b, device)])]
@@ -165,8 +163,7 @@ def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: 
     model.eval()
     total = {}
     for m in micros:
-        with autocast():
-            _add(total, objective.loss(objective.forward(model, m), m, norm)[1])
+        _add(total, objective.loss(objective.forward(model, m), m, norm)[1])
     model.train(was_training)
     return _all_reduce(total, device)
 
@@ -175,10 +172,9 @@ def loss_validator(objective: Objective, val_data, cfg: TrainConfig):
     """validate(model) -> {"val_loss": ..., "val_<metric>": ...} over cfg.eval_batches of `val_data`."""
     def validate(model):
         rank, world = _world()
-        device = next(model.parameters()).device
         batches = val_data.eval_batches(cfg.batch_size, rank=rank, world_size=world, max_batches=cfg.eval_batches)
         micro = cfg.micro_batch_size or cfg.batch_size // world
-        metrics = evaluate(model, objective, batches, micro, _autocast(device, cfg))
+        metrics = evaluate(model, objective, batches, micro)
         return {"val_" + k: v for k, v in metrics.items()}
     return validate
 
@@ -238,7 +234,8 @@ def _better(value, best, mode):
 
 def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, validate=None,
           baseline=None, tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
-    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows"}.
+    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows",
+    "best", "precision"}.
 
     data: .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch, a pure
           function of the step (e.g. duolm.data.CausalBatches / BertBatches).
@@ -250,6 +247,9 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
     on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
     Torch.distributed, when initialised (torchrun), makes this DDP: the global batch is split over ranks.
+    Training forwards run in cfg.precision as duolm.precision.choose() resolves it (the manifest records it, and
+    resuming a run under another precision is a ValueError: it would not be exact); validate and baseline in
+    fp32, as `duolm evaluate` scores the saved model.
     """
     rank, world = _world()
     device = next(model.parameters()).device
@@ -266,13 +266,19 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     if state is not None:
         optimizer.load_state_dict(state["optimizer"])
     start, skipped, tokens_seen = (state["step"], state["skipped"], state["tokens"]) if state else (0, 0, 0)
-    best = (runs.read_manifest(run_dir) or {}).get("best") if state else None
+    manifest = (runs.read_manifest(run_dir) or {}) if state else {}
+    best = manifest.get("best")
+    precision = choose(cfg.precision, device, training=True)
+    if manifest.get("precision", precision) != precision:
+        raise ValueError(f"{run_dir} was trained in {manifest['precision']}; resuming it in {precision} would not "
+                         f"continue it exactly: resume with precision {manifest['precision']}")
 
     fwd = model if world == 1 else nn.parallel.DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None)
     if cfg.compile:
         fwd = torch.compile(fwd)
-    autocast = _autocast(device, cfg)
+    autocast = lambda: training(precision, device)                  # noqa: E731
+    exact = inference("fp32", device)
     params = [p for p in model.parameters() if p.requires_grad]
     sinks = (open_logs(run_dir, start if state else None, tensorboard) if writer else []) + \
         ([on_log] if on_log is not None and rank == 0 else [])
@@ -285,7 +291,8 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
 
     def run_validation(step) -> dict:
         nonlocal best
-        metrics = validate(model) if validate is not None else {}
+        with exact:
+            metrics = validate(model) if validate is not None else {}
         value = metrics.get(cfg.select_metric)
         if writer and value is not None and _better(value, (best or {}).get("value"), cfg.select_mode):
             best = {"metric": cfg.select_metric, "value": value, "step": step}
@@ -296,7 +303,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
         if writer:
             state = {"step": step, "optimizer": optimizer.state_dict(), "skipped": skipped, "tokens": tokens_seen,
                      "seed": cfg.seed, "config": asdict(cfg)}
-            save_checkpoint(run_dir, step, model, state, tokenizer, cfg.keep_last, best)
+            save_checkpoint(run_dir, step, model, state, tokenizer, cfg.keep_last, best, {"precision": precision})
         if world > 1:
             dist.barrier()
 
@@ -305,7 +312,11 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     try:
         with _StopOnSigterm() as stop:
             if start == 0 and cfg.eval_every and validate is not None:
-                log({"step": 0, **(baseline(model) if baseline is not None else run_validation(0))})
+                if baseline is not None:
+                    with exact:
+                        log({"step": 0, **baseline(model)})
+                else:
+                    log({"step": 0, **run_validation(0)})
             t0 = time.perf_counter()
             while step < cfg.max_steps:
                 torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
@@ -338,4 +349,4 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
             if hasattr(sink, "close"):
                 sink.close()
     return {"step": step, "skipped": skipped, "stopped": stop.is_set(), "saved_at": saved_at, "rows": rows,
-            "best": best}
+            "best": best, "precision": precision}

@@ -1,0 +1,215 @@
+"""duolm vs CTranslate2 vs transformers on one CPU, the same random weights (saved once by transformers).
+
+  * GPT-2 124M greedy decoding: a 32-token prompt, 128 new tokens (no early end), batch 1 and 8, in fp32
+    (duolm: duolm.precision.Inference("fp32"), oneDNN on packed weights; CTranslate2 compute_type float32;
+    transformers' generate) and in int8 (duolm: weight-only int8; CTranslate2 compute_type int8);
+  * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel).
+
+The engines alternate within each round (A B C A B C ...) and each row reports the median of --rounds
+rounds, then the ratios in the same run. Batch-1 decoding is memory-bound: the bound printed beside it is the
+read bandwidth measured here (a streaming sum over 1 GiB) over the bytes of weights one token reads (every
+matrix once, the tied output layer included). Prints the CPU, its bf16 support and the load average.
+
+    python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# Run as a script, this folder is sys.path[0], and benchmarks/tokenizers.py would shadow the
+# `tokenizers` package that transformers imports.
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import numpy as np
+import torch
+
+from duolm.checkpoint import load
+from duolm.generation import generate
+from duolm.precision import Inference, fp32_engine, machine
+
+PROMPT = 32
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+def bandwidth_gbs(n_bytes=1 << 30, repeats=3) -> float:
+    a = torch.ones(n_bytes // 4)
+    best = min(_timed(a.sum) for _ in range(repeats))
+    return n_bytes / best / 1e9
+
+
+def _timed(f) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def save_models(folder: Path):
+    """Random GPT-2 124M and BERT-base saved by transformers (HF directories), and their CTranslate2
+    conversions in float32 and int8."""
+    import ctranslate2
+    import transformers
+
+    torch.manual_seed(0)
+    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config()).eval()
+    gpt.save_pretrained(folder / "gpt2")
+    bert = transformers.BertModel(transformers.BertConfig(), add_pooling_layer=True).eval()
+    bert.save_pretrained(folder / "bert")
+    # CTranslate2 converts the vocabulary too: the real GPT-2 BPE and BERT WordPiece files beside the weights
+    shutil.copy(DATA / "gpt2" / "encoder.json", folder / "gpt2" / "vocab.json")
+    shutil.copy(DATA / "gpt2" / "vocab.bpe", folder / "gpt2" / "merges.txt")
+    shutil.copy(DATA / "bert-vocab" / "bert-base-uncased-vocab.txt", folder / "bert" / "vocab.txt")
+    # CTranslate2's BERT converter (with transformers 5) wants the field transformers 5 no longer writes
+    cfg = json.loads((folder / "bert" / "config.json").read_text())
+    (folder / "bert" / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "absolute"}))
+    for name in ("gpt2", "bert"):
+        for q in ("float32", "int8"):
+            if name == "bert" and q == "int8":
+                continue
+            ctranslate2.converters.TransformersConverter(str(folder / name)).convert(
+                str(folder / f"{name}-ct2-{q}"), quantization=q, force=True)
+    return gpt, bert
+
+
+def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
+    import ctranslate2
+
+    ours, _ = load(folder / "gpt2")
+    ours.eval()
+    g = torch.Generator().manual_seed(batch)
+    prompts = torch.randint(0, 50000, (batch, PROMPT), generator=g).tolist()
+    ct2 = {q: ctranslate2.Generator(str(folder / f"gpt2-ct2-{q}"), device="cpu", compute_type=q,
+                                    intra_threads=threads, inter_threads=1) for q in ("float32", "int8")}
+    # CTranslate2 takes token strings: the ids' names in its vocabulary file
+    vocab = json.loads((folder / "gpt2-ct2-float32" / "vocabulary.json").read_text())
+    ct2_prompts = [[vocab[i] for i in p] for p in prompts]
+    fp32, int8 = Inference("fp32"), Inference("int8")
+
+    def duolm(mode):
+        def run():
+            with torch.inference_mode(), mode:
+                return [list(row) for row in zip(*generate(ours, prompts, new, temperature=0))]
+        return run
+
+    def ctranslate(q):
+        def run():
+            out = ct2[q].generate_batch(ct2_prompts, max_length=new, min_length=new, sampling_topk=1,
+                                        include_prompt_in_result=False)
+            assert all(len(r.sequences_ids[0]) == new for r in out)
+            return [r.sequences_ids[0] for r in out]
+        return run
+
+    def hf():
+        with torch.inference_mode():
+            out = gpt_hf.generate(torch.tensor(prompts), attention_mask=torch.ones(batch, PROMPT, dtype=torch.long),
+                                  max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+            return out[:, PROMPT:].tolist()
+
+    engines = {"duolm fp32": duolm(fp32), "CTranslate2 fp32": ctranslate("float32"), "transformers fp32": hf,
+               "duolm int8": duolm(int8), "CTranslate2 int8": ctranslate("int8")}
+    ids = {k: f() for k, f in engines.items()}          # also the warm-up
+    ref = ids["transformers fp32"]
+    same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
+    return _rounds(engines, rounds), same
+
+
+def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
+    import ctranslate2
+
+    ours, _ = load(folder / "bert")
+    ours.eval()
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(1000, 30000, (batch, length), generator=g)
+    idx[:, 0], idx[:, -1] = 101, 102
+    enc = ctranslate2.Encoder(str(folder / "bert-ct2-float32"), device="cpu", compute_type="float32",
+                              intra_threads=threads, inter_threads=1)
+    vocab = (folder / "bert-ct2-float32" / "vocabulary.json")
+    names = json.loads(vocab.read_text()) if vocab.exists() else None
+    tokens = [[names[i] for i in row] for row in idx.tolist()] if names else None
+    fp32 = Inference("fp32")
+
+    def duolm():
+        with torch.inference_mode(), fp32:
+            return ours(idx)[0]
+
+    def ct2():
+        if tokens is not None:
+            return enc.forward_batch(tokens).last_hidden_state
+        return enc.forward_batch(idx.tolist()).last_hidden_state
+
+    def hf():
+        with torch.inference_mode():
+            return bert_hf(idx).last_hidden_state
+
+    # the same weights give the same states (a check that the engines computed the same thing); also the warm-up
+    a, b, c = duolm(), torch.as_tensor(np.asarray(ct2())), hf()
+    diffs = {"CTranslate2": (b - a).abs().max().item(), "transformers": (c - a).abs().max().item()}
+    engines = {"duolm fp32": duolm, "CTranslate2 fp32": ct2, "transformers fp32": hf}
+    return _rounds(engines, rounds), diffs
+
+
+def _rounds(engines: dict, rounds: int) -> dict:
+    """Median seconds of each engine over `rounds` rounds, the engines in turn within a round (after a warm-up
+    call each: packing, kernel selection, the allocator)."""
+    times = {k: [] for k in engines}
+    for _ in range(rounds):
+        for k, f in engines.items():
+            times[k].append(_timed(f))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--json", default=None, help="also write the numbers here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    m = machine()
+    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32 engine: {fp32_engine()}; "
+          f"load average at start: {os.getloadavg()[0]:.2f}")
+    out = {"machine": m, "load_start": os.getloadavg()[0], "decode": {}, "encoder": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        gpt_hf, bert_hf = save_models(folder)
+        gbs = bandwidth_gbs()
+        weight_bytes = 4 * (sum(p.numel() for n, p in gpt_hf.named_parameters() if p.dim() == 2 and "wpe" not in n))
+        bound = gbs * 1e9 / weight_bytes
+        print(f"\nread bandwidth {gbs:.1f} GB/s; fp32 weights read per token {weight_bytes / 1e6:.0f} MB -> "
+              f"batch-1 bound {bound:.1f} tokens/s")
+        print(f"\nGPT-2 124M greedy, {PROMPT}-token prompt, {args.new_tokens} new tokens, median of {args.rounds} rounds")
+        for batch in (1, 8):
+            times, same = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
+            tps = {k: batch * args.new_tokens / t for k, t in times.items()}
+            out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
+            for k, v in tps.items():
+                extra = f"  ({100 * v / bound:.0f}% of the bound)" if batch == 1 and "fp32" in k else ""
+                print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; greedy ids as transformers': "
+                      f"{100 * same[k]:5.1f}%{extra}")
+            print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
+                  f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm / transformers fp32 "
+                  f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x")
+        times, diffs = encoder_rows(folder, bert_hf, args.rounds, args.threads)
+        out["encoder"] = {"seconds": times, "max_abs_diff_vs_duolm": diffs}
+        print("\nBERT-base encoder, 32 x 128, fp32, median of", args.rounds, "rounds")
+        for k, t in times.items():
+            print(f"  {k:<18} {1000 * t:8.1f} ms")
+        print(f"  duolm / CTranslate2 {times['CTranslate2 fp32'] / times['duolm fp32']:.2f}x, duolm / transformers "
+              f"{times['transformers fp32'] / times['duolm fp32']:.2f}x (hidden states differ by at most "
+              + ", ".join(f"{v:.1e} ({k})" for k, v in diffs.items()) + ")")
+    out["load_end"] = os.getloadavg()[0]
+    print(f"\nload average at the end: {out['load_end']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
