@@ -130,8 +130,9 @@ def test_onednn_forms_follow_weight_updates_and_leave_autograd_alone():
     assert not fast.forms                                # dropped when the block ended
 
 
-@pytest.mark.parametrize("precision,tol", [("int8", 0.05), ("bf16", 0.03)])
-def test_weight_only_close_to_fp32(precision, tol):
+# int8 also quantizes each matmul's input (per tensor): on this tiny model's large activations that costs more
+@pytest.mark.parametrize("precision,tol,max_kl", [("int8", 0.05, 5e-3), ("bf16", 0.03, 1e-3)])
+def test_narrow_precisions_close_to_fp32(precision, tol, max_kl):
     model = _gpt2()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     idx = torch.randint(0, 97, (2, 20))
@@ -142,9 +143,9 @@ def test_weight_only_close_to_fp32(precision, tol):
             got = model(idx)
     assert got.shape == ref.shape and got.dtype == torch.float32
     rel = (got - ref).norm() / ref.norm()
-    assert 0 < rel < tol                       # not exact (weight-only quantization), but close
+    assert 0 < rel < tol                       # not exact, but close
     p, r = got.log_softmax(-1), ref.log_softmax(-1)
-    assert (r.exp() * (r - p)).sum(-1).mean() < 1e-3
+    assert (r.exp() * (r - p)).sum(-1).mean() < max_kl
     # decoding through the cache gives what a full forward in the same mode gives
     with mode:
         out = _collect(generate(model, [idx[0].tolist()], 6, temperature=0), 1)[0]

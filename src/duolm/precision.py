@@ -1,11 +1,11 @@
 """Which arithmetic runs the matmuls: exact fp32 through the CPU's fastest kernels, bf16 autocast for
-training where the device computes bf16 natively, weight-only bf16 / int8 for inference.
+training where the device computes bf16 natively, bf16 weights or int8 matmuls for inference.
 
     with training("auto", device):        # bf16 autocast where native (CUDA, AVX512-BF16, AMX), else fp32
         loss = objective(model(x), batch)
     with Inference("fp32"):               # the same numbers through oneDNN on CPU, weights packed once
         logits = model(idx)
-    with Inference("int8"):               # weight-only int8: 1 byte per weight read, slightly other numbers
+    with Inference("int8"):               # int8 weights and matmuls: 1 byte per weight read, other numbers
         generate(model, prompts, 64)
 
 Like autocast, both wrap the model from outside: the models call F.linear and never know. Inference
@@ -20,11 +20,13 @@ is not enough: the fused AdamW kernel updates weights in place without bumping i
     this project's AMD EPYC reach about half of oneDNN's for the few-row matmuls of decoding
     (benchmarks/cpu_engines.py). Where MKL is the faster of the two (`fp32_engine()` measures once
     per process), fp32 stays on F.linear.
-  * "bf16": a bf16 copy of the weight; the input cast to bf16, the output back to fp32.
-  * "int8": symmetric per-output-row int8 (w ~= q * scale, |q| <= 127), aten's weight-only int8 kernel.
+  * "bf16": a bf16 copy of the weight, packed for oneDNN; the input cast to bf16, the output back to fp32.
+  * "int8": dynamic quantization, as CTranslate2's int8: the weight symmetric per output row (w ~= q * scale,
+    |q| <= 127, int8_rows), each input quantized to uint8 on the fly (one scale and zero point per call),
+    products summed in int32 by the x86 int8 kernels (VNNI where the CPU has it), output fp32.
 
-Activations, LayerNorms, softmax, the residual stream and the KV cache stay fp32 in every mode; embedding
-lookups read the fp32 table. Modes are per thread (as autocast is): a worker thread enters its own.
+The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream
+and the KV cache stay fp32 in every mode; embedding lookups read the fp32 table. Modes are per thread (as autocast is): a worker thread enters its own.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ import contextlib
 import functools
 import platform
 import time
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -122,16 +125,26 @@ def int8_rows(w: torch.Tensor):
     return q, scale
 
 
-def _linear_int8(x, form, bias):
-    q, scale = form
-    shape = x.shape
-    y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(torch.bfloat16), q, scale)
-    y = y.float().reshape(*shape[:-1], q.shape[0])
+def _int8_form(w):
+    q, scale = int8_rows(w)
+    with warnings.catch_warnings():   # quantized dtypes are deprecated upstream; the pinned torch has them
+        warnings.simplefilter("ignore", UserWarning)
+        qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
+                                                      torch.zeros(len(q), dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(qw, None)
+
+
+# Without VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
+_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+
+
+def _linear_int8(x, packed, bias):
+    y = torch.ops.quantized.linear_dynamic(x.contiguous(), packed, _REDUCE_RANGE)
     return y if bias is None else y + bias
 
 
-def _linear_bf16(x, w, bias):
-    y = F.linear(x.to(torch.bfloat16), w).float()
+def _linear_bf16(x, packed, bias):
+    y = _linear_onednn(x.to(torch.bfloat16), packed, None, "none", [], "").float()
     return y if bias is None else y + bias
 
 
@@ -142,8 +155,8 @@ def _linear_fp32(x, packed, bias):
 # precision -> (weight -> its form, (x, form, bias) -> y)
 _FORMS = {
     "fp32": (_pack_onednn, _linear_fp32),
-    "bf16": (lambda w: w.to(torch.bfloat16), _linear_bf16),
-    "int8": (lambda w: (lambda q, s: (q, s.to(torch.bfloat16)))(*int8_rows(w)), _linear_int8),
+    "bf16": (lambda w: _pack_onednn(w.to(torch.bfloat16)), _linear_bf16),
+    "int8": (_int8_form, _linear_int8),
 }
 
 
