@@ -10,10 +10,10 @@ training where the device computes bf16 natively, bf16 weights or int8 matmuls f
 
 Like autocast, both wrap the model from outside: the models call F.linear and never know. Inference
 is a torch function mode that catches F.linear under no_grad (every nn.Linear, GPT-2's tied output
-layer, BERT's MLM decoder) and runs it on a form of the weight made on first use in a with-block and
-kept until the block ends: inside one block the weights are taken as constant (as for a generation, an
-evaluation, a server's lifetime), so enter a new block after an optimizer step. (A version-counter check
-is not enough: the fused AdamW kernel updates weights in place without bumping it.)
+layer, BERT's MLM decoder) and runs it on a form of the weight made on first use and kept as long as the
+Inference object: it takes the weights as constant (a generation, an evaluation, a server's lifetime), so
+make a new one after an optimizer step. (A version-counter check would not do: the fused AdamW kernel
+updates weights in place without bumping it.)
 
   * "fp32": oneDNN's linear on a weight packed into its blocked layout. The same dot products in
     another order (within ~1e-6 of F.linear); PyTorch's fp32 F.linear goes to MKL, whose kernels on
@@ -188,9 +188,9 @@ class Inference(TorchFunctionMode):
     """Runs F.linear on CPU under no_grad in `precision` ("fp32", "bf16", "int8"; see the module
     docstring); anything else (autograd, autocast regions, other devices, other dtypes) as usual.
     engine: for "fp32", "onednn" or "mkl" (F.linear unchanged); None measures once (fp32_engine).
-    Enter it in the thread that runs the model: `with Inference("int8"): ...`; one instance can be entered
-    again and by several threads at once, which share its weight forms; they are dropped when the last
-    block ends, so the weights must not change inside a block."""
+    Enter it in the thread that runs the model: `with Inference("int8"): ...`. One instance can be entered
+    again and by several threads at once, which share its weight forms (made once, kept while it lives): the
+    weights must not change during its life."""
 
     def __init__(self, precision: str = "fp32", engine: str | None = None):
         super().__init__()
@@ -204,22 +204,11 @@ class Inference(TorchFunctionMode):
         self.engine = engine
         self.active = not (precision == "fp32" and engine == "mkl")
         self.make, self.linear = _FORMS[precision]
-        self.forms = {}                      # id(weight) -> (data_ptr, form), for the blocks open now
-        self.depth = 0                       # blocks open (several threads may be inside one instance)
-
-    def __enter__(self):
-        self.depth += 1
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.depth -= 1
-        if self.depth == 0:
-            self.forms.clear()
-        return super().__exit__(*exc)
+        self.forms = {}                      # id(weight) -> (data_ptr, form)
 
     def form(self, w: torch.Tensor):
-        """The weight's form for this precision, made on its first use in the open blocks; a view (a slice
-        of a weight, made anew by every call) gets one for the call only."""
+        """The weight's form for this precision, made on its first use; a view (a slice of a weight, made anew
+        by every call) gets one for the call only."""
         if w._base is not None:
             with torch.no_grad():
                 return self.make(w.detach())

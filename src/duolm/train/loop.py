@@ -278,7 +278,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     if cfg.compile:
         fwd = torch.compile(fwd)
     autocast = lambda: training(precision, device)                  # noqa: E731
-    exact = inference("fp32", device)
+    exact = lambda: inference("fp32", device)                      # noqa: E731  (anew: the weights have changed)
     params = [p for p in model.parameters() if p.requires_grad]
     sinks = (open_logs(run_dir, start if state else None, tensorboard) if writer else []) + \
         ([on_log] if on_log is not None and rank == 0 else [])
@@ -291,7 +291,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
 
     def run_validation(step) -> dict:
         nonlocal best
-        with exact:
+        with exact():
             metrics = validate(model) if validate is not None else {}
         value = metrics.get(cfg.select_metric)
         if writer and value is not None and _better(value, (best or {}).get("value"), cfg.select_mode):
@@ -313,7 +313,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
         with _StopOnSigterm() as stop:
             if start == 0 and cfg.eval_every and validate is not None:
                 if baseline is not None:
-                    with exact:
+                    with exact():
                         log({"step": 0, **baseline(model)})
                 else:
                     log({"step": 0, **run_validation(0)})
