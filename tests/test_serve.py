@@ -440,6 +440,60 @@ def test_special_tokens_in_prompt_are_text_unless_allowed(client, gpt2):
 
 
 # ---------------------------------------------------------------------------------------------
+# OpenAI's other fields: neutral values accepted, penalties and logit_bias implemented
+
+# what LangChain-style wrappers send whatever the user asked for
+NEUTRAL = [("best_of", 1), ("best_of", None), ("frequency_penalty", 0), ("frequency_penalty", None),
+           ("presence_penalty", 0), ("presence_penalty", None), ("logit_bias", {}), ("logit_bias", None),
+           ("suffix", None), ("suffix", ""), ("logprobs", None), ("user", "someone"), ("echo", False), ("n", 1),
+           ("stream", False), ("stream_options", None), ("stop", None), ("top_p", 1), ("seed", 5)]
+
+
+def test_neutral_values_of_openai_fields_are_accepted_and_change_nothing(client):
+    body = dict(prompt="The tolerant server", max_tokens=12, seed=5)
+    plain = client.post("/v1/completions", json=body).json()["choices"]
+    for name, value in NEUTRAL:
+        r = client.post("/v1/completions", json={**body, name: value})
+        assert r.status_code == 200, (name, r.text)
+        assert r.json()["choices"] == plain, name
+    r = client.post("/v1/completions", json={**body, **dict(NEUTRAL[::2])})
+    assert r.json()["choices"] == plain
+    two = client.post("/v1/completions", json={**body, "n": 2}).json()["choices"]
+    assert client.post("/v1/completions", json={**body, "n": 2, "best_of": 2}).json()["choices"] == two
+
+
+def _greedy_with_penalties(model, ids, steps, presence=0.0, frequency=0.0, bias=None):
+    """Greedy decoding by a full forward per token, the logits adjusted as OpenAI documents it:
+    mu[j] - c[j] * frequency_penalty - [c[j] > 0] * presence_penalty (c[j]: times j was drawn), + logit_bias[j]."""
+    out = []
+    for _ in range(steps):
+        with torch.no_grad():
+            mu = model(torch.tensor([ids + out]))[0, -1].double()
+        for j in set(out):
+            mu[j] -= out.count(j) * frequency + presence
+        for j, b in (bias or {}).items():
+            mu[j] += b
+        out.append(int(mu.argmax()))
+    return out
+
+
+def test_penalties_and_logit_bias_equal_openai_formula(client, gpt2):
+    model, tok = gpt2
+    ids = tok.encode("Again and again and again")
+    no_end = {tok.eot_id: -100.0}
+    plain = _greedy_with_penalties(model, ids, 20, bias=no_end)
+    forced = ids[-1]
+    for presence, frequency, bias in ((0.0, 2.0, no_end), (1.5, 0.0, no_end), (-0.5, 0.7, no_end),
+                                      (0.0, 0.0, {**no_end, forced: 9.0}), (2.0, 0.0, {**no_end, forced: 9.0})):
+        want = _greedy_with_penalties(model, ids, 20, presence, frequency, bias)
+        assert want != plain                      # the setting matters for this prompt
+        r = client.post("/v1/completions", json=dict(
+            prompt=ids, max_tokens=20, temperature=0, presence_penalty=presence, frequency_penalty=frequency,
+            logit_bias={str(t): b for t, b in bias.items()}, logprobs=0)).json()["choices"][0]
+        assert r["logprobs"]["tokens"] == [tok.decode([t]) for t in want], (presence, frequency, bias)
+
+
+# ---------------------------------------------------------------------------------------------
 # limits: each answered with a clear error, and the server stays healthy
 
 @pytest.mark.parametrize("body, param", [
@@ -453,8 +507,16 @@ def test_special_tokens_in_prompt_are_text_unless_allowed(client, gpt2):
     (dict(prompt="x", n=100, max_tokens=1), "n"),           # x 2 prompts: over 128 sequences
     (dict(prompt="x", stream="yes"), "stream"),
     (dict(prompt="x", logprobs=21), "logprobs"),
-    (dict(prompt="x", stop=["a", "b", "c", "d", "e"]), "stop"),
-    (dict(prompt="x", presence_penalty=0.5), "presence_penalty"),
+    (dict(prompt="x", stop=list("abcdefghijklmnopq")), "stop"),
+    (dict(prompt="x", presence_penalty=2.5), "presence_penalty"),
+    (dict(prompt="x", frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(prompt="x", logit_bias={"5": 101}), "logit_bias"),
+    (dict(prompt="x", logit_bias={"50257": 1}), "logit_bias"),
+    (dict(prompt="x", logit_bias={"the": 1}), "logit_bias"),
+    (dict(prompt="x", logit_bias={"05": 1}), "logit_bias"),
+    (dict(prompt="x", best_of=2), "best_of"),
+    (dict(prompt="x", n=2, best_of=3), "best_of"),
+    (dict(prompt="x", suffix="and then"), "suffix"),
     (dict(prompt=[1, 50257]), "prompt"),
     (dict(prompt=[[5], [-1]]), "prompt"),
     (dict(prompt=[]), "prompt"),
@@ -483,18 +545,27 @@ def test_nan_and_malformed_json_are_400(client):
                                    headers={"content-type": "application/json"}).json()["error"]["message"]
 
 
-def test_prompt_longer_than_context_minus_max_tokens(client, gpt2):
+def test_prompt_plus_max_tokens_longer_than_context_plus_one(client, gpt2):
     _, tok = gpt2
     text = "word " * 300
     n = len(tok.encode(text))
     r = client.post("/v1/completions", json=dict(prompt=text, max_tokens=16))
     assert r.status_code == 400
-    assert r.json()["error"]["message"].startswith(f"prompt has {n} tokens, limit {256 - 16}")
-    ids = tok.encode("word " * 250)
-    assert client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=56)).status_code == 200
-    r = client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=57))
+    assert r.json()["error"]["message"].startswith(f"prompt has {n} tokens, limit {256 + 1 - 16}")
+    # prompt + max_tokens may reach context + 1: the last token drawn is never fed back (as in generate())
+    ids = tok.encode("word " * 300)
+    assert client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=57)).status_code == 200
+    r = client.post("/v1/completions", json=dict(prompt=ids[:200], max_tokens=58))
     assert r.json()["error"]["message"].startswith("prompt has 200 tokens, limit 199")
-    r = client.post("/v1/completions", json=dict(prompt="x", max_tokens=256))
+    full = client.post("/v1/completions", json=dict(prompt=ids[:256], max_tokens=1, temperature=0, logprobs=0,
+                                                    echo=True)).json()["choices"][0]
+    assert len(full["logprobs"]["tokens"]) == 257 and full["finish_reason"] == "length"
+    assert client.post("/v1/completions", json=dict(prompt=ids[:256], max_tokens=0)).status_code == 200
+    assert client.post("/v1/completions", json=dict(prompt=ids[:257], max_tokens=0)).status_code == 400
+    r = client.post("/v1/completions", json=dict(prompt="x", max_tokens=256, temperature=0,
+                                                 logit_bias={str(tok.eot_id): -100}))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 256
+    r = client.post("/v1/completions", json=dict(prompt="x", max_tokens=257))
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 

@@ -49,7 +49,8 @@ class Sink:
 @dataclass(eq=False)
 class Row:
     """One sequence to generate: `max_tokens` new tokens at most after `prompt` (token ids), drawn
-    as `next_token(logits, temperature, top_k, top_p, generator)` with a generator seeded by `seed`.
+    as `next_token(penalized(logits, ...), temperature, top_k, top_p, generator)` with a generator seeded
+    by `seed` (the penalties and logit_bias neutral: the logits themselves).
     logprobs: None, or how many alternatives to report with each token's log-probability.
     prompt_logprobs: report the prompt tokens' log-probabilities too (OpenAI's echo + logprobs)."""
 
@@ -59,6 +60,9 @@ class Row:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)       # token id -> added to its logit
     logprobs: int | None = None
     prompt_logprobs: bool = False
     sink: Sink = field(default_factory=Sink)
@@ -80,6 +84,24 @@ def logprob_info(logits: torch.Tensor, token: int, k: int):
     top = lp.topk(min(k, lp.shape[-1])) if k else None
     alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
     return float(lp[token]), alts
+
+
+def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequency: float = 0.0,
+              bias: dict | None = None) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties and logit_bias on the logits (1, V) of a row's next draw:
+    each token t drawn so far (`tokens`) loses frequency * count(t) + presence * [count(t) > 0], and
+    token t gains bias[t]. Neutral values return `logits` itself.
+
+    >>> penalized(torch.zeros(1, 4), [2, 2, 0], presence=0.5, frequency=1.0, bias={3: 5.0}).tolist()
+    [[-1.5, 0.0, -2.5, 5.0]]
+    """
+    if tokens and (presence or frequency):
+        counts = torch.bincount(torch.tensor(tokens, device=logits.device), minlength=logits.shape[-1]).to(logits)
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits)
+    if bias:
+        ids = torch.tensor(list(bias), device=logits.device)
+        logits = logits.index_add(1, ids, torch.tensor([list(bias.values())], dtype=logits.dtype, device=logits.device))
+    return logits
 
 
 class Scheduler:
@@ -240,7 +262,8 @@ class Scheduler:
 
     def _draw(self, row: Row, logits: torch.Tensor) -> bool:
         """Draw the row's next token from logits (1, V); False when the row has finished."""
-        t = int(next_token(logits, row.temperature, row.top_k, row.top_p, row.generator)[0])
+        adjusted = penalized(logits, row.tokens, row.presence_penalty, row.frequency_penalty, row.logit_bias)
+        t = int(next_token(adjusted, row.temperature, row.top_k, row.top_p, row.generator)[0])
         info = None if row.logprobs is None else logprob_info(logits[0], t, row.logprobs)
         row.tokens.append(t)
         self.tokens_generated += 1
