@@ -494,6 +494,63 @@ def test_penalties_and_logit_bias_equal_openai_formula(client, gpt2):
 
 
 # ---------------------------------------------------------------------------------------------
+# the tokenizer's routes (vLLM's shapes) against the model's Hugging Face export loaded by transformers
+
+def _hf_tokenizer(model, tok, folder):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(duolm.save(model, folder, tok, format="hf"))
+
+
+TEXTS = ["Hello, world!", " Ünïcödé ☃ and\n\nnewlines  ", "a<|endoftext|>b [MASK] [SEP]", ""]
+
+
+def test_tokenize_detokenize_tokenizer_info_gpt2(client, gpt2, tmp_path):
+    model, tok = gpt2
+    hf = _hf_tokenizer(model, tok, tmp_path / "hf")
+    for text in TEXTS:
+        r = client.post("/tokenize", json={"prompt": text, "add_special_tokens": False, "return_token_strs": True})
+        out = r.json()
+        # typed special tokens are text, as in a completion's prompt: HF's split_special_tokens
+        want = hf(text, add_special_tokens=False, split_special_tokens=True).input_ids
+        assert out == {"count": len(want), "max_model_len": 256, "tokens": want,
+                       "token_strs": hf.convert_ids_to_tokens(want)}
+        allowed = client.post("/tokenize", json={"prompt": text, "allowed_special": ["<|endoftext|>"]}).json()
+        assert allowed["tokens"] == hf(text).input_ids and allowed["token_strs"] is None
+        assert client.post("/detokenize", json={"tokens": allowed["tokens"]}).json() == {"prompt": text}
+    ids = tok.encode("a<|endoftext|>b", allowed_special="all")
+    assert ids == [64, tok.eot_id, 65]
+    assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == hf.decode(ids)
+    r = client.post("/detokenize", json={"tokens": [1, 50257]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    r = client.post("/tokenize", json={"prompt": "x", "allowed_special": ["<|nope|>"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_special"
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("messages", "prompt")
+    info = client.get("/tokenizer_info").json()
+    assert (info["eos_token"], info["bos_token"]) == (hf.eos_token, hf.bos_token) == ("<|endoftext|>",) * 2
+    assert info["model_max_length"] == hf.model_max_length == 256
+    assert info["added_tokens_decoder"] == {str(hf.eos_token_id): {"content": "<|endoftext|>", "special": True}}
+
+
+def test_tokenize_detokenize_tokenizer_info_bert(bert_client, bert, tmp_path):
+    model, tok = bert
+    hf = _hf_tokenizer(model, tok, tmp_path / "hf")
+    for text in TEXTS:
+        for add in (True, False):
+            out = bert_client.post("/tokenize", json={"prompt": text, "add_special_tokens": add,
+                                                      "return_token_strs": True}).json()
+            want = hf(text, add_special_tokens=add).input_ids         # [MASK], [SEP] typed are special
+            assert out["tokens"] == want and out["token_strs"] == hf.convert_ids_to_tokens(want)
+            assert bert_client.post("/detokenize", json={"tokens": want}).json()["prompt"] == hf.decode(want)
+    r = bert_client.post("/tokenize", json={"prompt": "x", "allowed_special": "all"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_special"
+    info = bert_client.get("/tokenizer_info").json()
+    assert (info["cls_token"], info["mask_token"], info["model_max_length"]) == (hf.cls_token, hf.mask_token, 64)
+    assert {int(i): t["content"] for i, t in info["added_tokens_decoder"].items()} == {
+        i: hf.convert_ids_to_tokens(i) for i in hf.all_special_ids}
+
+
+# ---------------------------------------------------------------------------------------------
 # limits: each answered with a clear error, and the server stays healthy
 
 @pytest.mark.parametrize("body, param", [

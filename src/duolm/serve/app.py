@@ -1,7 +1,7 @@
 """The HTTP application: OpenAI-compatible routes over one model, with limits in front of them.
 
-The routes are APIRouters, one module per kind of model: status.py (every model), gpt2.py, bert.py
-and heads.py (fine-tuned heads). Every route is mounted; one the served model cannot answer is a 400
+The routes are APIRouters: status.py and tokens.py (every model), then one module per kind of model:
+gpt2.py, bert.py and heads.py (fine-tuned heads). Every route is mounted; one the served model cannot answer is a 400
 naming the model and stays out of the OpenAPI docs: GET /openapi.json (and /docs) lists the routes
 this server answers, as a 404's message does.
 
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from duolm.models import GPT2
-from duolm.serve import ServeConfig, bert, gpt2, heads, status
+from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
 from duolm.serve.metrics import Admission, Metrics
@@ -53,7 +53,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     app = FastAPI(title="duolm", lifespan=lifespan)
     app.state.draining = False
     guard = [Depends(s.accepting), Depends(s.authorized)]       # status.py guards its own: /health is open
-    routers = [(status.router(s), []), (gpt2.router(s), guard), (bert.router(s), guard), (heads.router(s), guard)]
+    routers = [(status.router(s), []), (tokens.router(s), guard), (gpt2.router(s), guard), (bert.router(s), guard),
+               (heads.router(s), guard)]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
     app.state.routes = [route for router, _ in routers for route in router.routes]

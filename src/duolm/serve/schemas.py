@@ -48,6 +48,18 @@ class CompletionRequest(_Request):
     allowed_special: Literal["all"] | list[str] = []
 
 
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize (the completion form)."""
+    prompt: str
+    add_special_tokens: bool = True          # BERT: [CLS] ... [SEP] around the pieces; GPT-2 adds none
+    return_token_strs: bool = False
+    allowed_special: Literal["all"] | list[str] = []        # GPT-2, as in CompletionRequest
+
+
+class DetokenizeRequest(_Request):
+    tokens: Ids
+
+
 class EmbeddingRequest(_Request):
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
