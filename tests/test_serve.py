@@ -112,9 +112,14 @@ def test_metrics_report_worked_example():
 
 
 def test_logprob_info_worked_example():
-    lp, alts = logprob_info(torch.log(torch.tensor([0.5, 0.25, 0.25])), 1, 1)
+    (lp, alts), = logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1], 1)
     assert lp == pytest.approx(np.log(0.25)) and alts == [(0, pytest.approx(np.log(0.5)))]
-    assert logprob_info(torch.zeros(4), 2, 0) == (pytest.approx(np.log(0.25)), [])
+    assert logprob_info(torch.zeros(1, 4), [2], 0) == [(pytest.approx(np.log(0.25)), [])]
+    # rows are positions: each token's log p and its alternatives come from one log-softmax
+    logits = torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 2.5]])
+    infos = logprob_info(logits, [0, 1], 2)
+    assert [lp for lp, _ in infos] == [infos[0][1][0][1], pytest.approx(2 - np.log(1 + np.exp(2) + np.exp(2.5)))]
+    assert [[i for i, _ in alts] for _, alts in infos] == [[0, 1], [2, 1]]
 
 
 def test_pool_worked_example():
@@ -378,7 +383,8 @@ def test_completions_logprobs_and_echo(client, gpt2):
     c = r.json()["choices"][0]
     tokens = library_tokens(model, tok, ids, 5, 11)
     lp = c["logprobs"]
-    assert lp["tokens"] == [tok.decode([t]) for t in ids + tokens]
+    assert b"".join(map(_name_bytes, lp["tokens"])) == tok.decode_bytes(ids + tokens)
+    assert lp["tokens"][:len(ids)] == [tok.decode([t]) for t in ids]
     assert c["text"] == tok.decode(ids + tokens)
     # reference: one full forward over prompt + completion
     with torch.no_grad():
@@ -389,6 +395,69 @@ def test_completions_logprobs_and_echo(client, gpt2):
     top = ref[len(ids) - 1].topk(3)
     assert list(lp["top_logprobs"][len(ids)].values()) == pytest.approx(top.values.tolist(), abs=1e-4)
     assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+
+
+def _name_bytes(name: str) -> bytes:
+    """The bytes of a token named in logprobs: its text, or "bytes:\\xNN..." for a piece of a character."""
+    return bytes.fromhex(name[6:].replace("\\x", "")) if name.startswith("bytes:") else name.encode()
+
+
+def test_top_logprobs_never_merge_tokens_of_the_same_text():
+    """A byte-level vocabulary (256 bytes + <|endoftext|>): half its tokens are pieces of characters that all
+    decode to U+FFFD; each keeps its own entry in top_logprobs, named by its bytes."""
+    tok = duolm.ByteLevelBPE({bytes([i]): i for i in range(256)}, {"<|endoftext|>": 256})
+    model = tiny_gpt2(vocab_size=257, block_size=64)
+    with TestClient(create_app(model, tok)) as c:
+        ids = list("naïve café ☃".encode())
+        out = c.post("/v1/completions", json=dict(prompt=ids, max_tokens=3, seed=1, logprobs=20, echo=True)).json()
+    lp = out["choices"][0]["logprobs"]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).float().log_softmax(-1)[0]
+    assert any(name.startswith("bytes:") for name in lp["tokens"])
+    for i in range(1, len(ids)):
+        top = lp["top_logprobs"][i]
+        assert len(top) == 20 and sum(name.startswith("bytes:") for name in top) >= 2
+        want = ref[i - 1].topk(20)
+        got = {256 if n == "<|endoftext|>" else _name_bytes(n)[0]: v for n, v in top.items()}
+        assert got == pytest.approx(dict(zip(want.indices.tolist(), want.values.tolist())), abs=1e-5)
+
+
+class CountingGPT2(GPT2):
+    """A GPT-2 that records the shape of every forward's input."""
+    calls: list
+
+    def hidden(self, idx, *args, **kw):
+        self.calls.append(tuple(idx.shape))
+        return super().hidden(idx, *args, **kw)
+
+
+def test_scoring_is_one_forward_per_prompt_as_lm_eval_reads_it(gpt2):
+    """lm-evaluation-harness's loglikelihood request: echo, max_tokens 1, logprobs 1, temperature 0. Each prompt
+    is one forward (its prefill), never a decode step; token_logprobs[i] equals max(top_logprobs[i]) exactly
+    where the token is the model's most likely (its greedy test)."""
+    model, tok = gpt2
+    counting = CountingGPT2(model.config).eval()
+    counting.load_state_dict(model.state_dict())
+    counting.calls = []
+    prompts = [tok.encode(t) for t in ("One two three four", "The end of the passage is near", "x")]
+    with TestClient(create_app(counting, tok)) as c:
+        r = c.post("/v1/completions", json=dict(prompt=prompts, max_tokens=1, echo=True, logprobs=1, temperature=0,
+                                                seed=1234))
+        zero = c.post("/v1/completions", json=dict(prompt=prompts[1], max_tokens=0, echo=True, logprobs=1)).json()
+    assert sorted(counting.calls) == sorted([(1, len(p)) for p in prompts] + [(1, len(prompts[1]))])
+    for choice in r.json()["choices"]:
+        ids = prompts[choice["index"]]
+        lp = choice["logprobs"]
+        assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+        with torch.no_grad():
+            ref = model(torch.tensor([ids])).float().log_softmax(-1)[0]
+        assert lp["token_logprobs"][1:] == pytest.approx([ref[i - 1, t].item() for i, t in enumerate(ids)][1:] +
+                                                         [ref[-1].max().item()], abs=1e-5)
+        greedy = [i for i in range(1, len(ids)) if ref[i - 1].argmax() == ids[i]] + [len(ids)]
+        assert all(lp["token_logprobs"][i] == max(lp["top_logprobs"][i].values()) for i in greedy)
+        assert all(lp["token_logprobs"][i] < max(lp["top_logprobs"][i].values())
+                   for i in range(1, len(ids)) if i not in greedy)
+    assert zero["choices"][0]["logprobs"]["token_logprobs"] == r.json()["choices"][1]["logprobs"]["token_logprobs"][:-1]
 
 
 def _sse(text):

@@ -214,12 +214,11 @@ class _Logprobs:
         self._offset = self._sent = 0
 
     def add(self, tok, token, info):
-        s = tok.decode([token])
-        self.tokens.append(s)
+        self.tokens.append(token_name(tok, token))
         self.token_logprobs.append(None if info is None else info[0])
-        self.top_logprobs.append(None if info is None else {tok.decode([i]): v for i, v in info[1]})
+        self.top_logprobs.append(None if info is None else {token_name(tok, i): v for i, v in info[1]})
         self.text_offset.append(self._offset)
-        self._offset += len(s)
+        self._offset += len(tok.decode([token]))
 
     def since(self) -> dict:
         """The entries added since the last call (a stream chunk's share)."""
@@ -232,3 +231,23 @@ class _Logprobs:
     def _slice(self, a, b) -> dict:
         return {"tokens": self.tokens[a:b], "token_logprobs": self.token_logprobs[a:b],
                 "top_logprobs": self.top_logprobs[a:b], "text_offset": self.text_offset[a:b]}
+
+
+def token_name(tokenizer, token: int) -> str:
+    """How `logprobs` names a token (in its "tokens" and the keys of "top_logprobs"): its text, or, when its
+    bytes are not UTF-8 on their own (part of a character), "bytes:" and their escapes as OpenAI writes
+    them, so that no two tokens share a name (two such tokens both decode to U+FFFD).
+
+    >>> from duolm.tokenizers import ByteLevelBPE
+    >>> tok = ByteLevelBPE({bytes([i]): i for i in range(256)}, {})
+    >>> print(*[token_name(tok, i) for i in (104, 0xe2, 0x82)])
+    h bytes:\\xe2 bytes:\\x82
+    """
+    b = tokenizer.decode_bytes([token])
+    try:
+        text = b.decode("utf-8")
+        if not text.startswith("bytes:"):          # a token spelled "bytes:..." is named by its bytes too
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "bytes:" + "".join(f"\\x{c:02x}" for c in b)

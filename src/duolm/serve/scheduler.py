@@ -30,6 +30,7 @@ from duolm.generation import next_token
 from duolm.models import KVCache
 
 log = logging.getLogger("duolm.serve")
+PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
 
 
 class Sink:
@@ -73,17 +74,21 @@ class Row:
     generator: torch.Generator | None = None
 
 
-def logprob_info(logits: torch.Tensor, token: int, k: int):
-    """logits (V,) -> (log p(token), [(id, log p) of the k most likely ids, most likely first]),
-    log p from the raw logits (before temperature and filters).
+def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
+    """logits (N, V) and the N tokens that followed -> per token (log p(token), [(id, log p) of the k
+    most likely ids, most likely first]), log p from the raw logits (before penalties, temperature and
+    filters). The token's log p and the alternatives' come from one log-softmax: a token that is the most
+    likely has exactly the first alternative's value.
 
-    >>> logprob_info(torch.log(torch.tensor([0.5, 0.25, 0.25])), 1, 1)
-    (-1.3862943649291992, [(0, -0.6931471824645996)])
+    >>> logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1], 1)
+    [(-1.3862943649291992, [(0, -0.6931471824645996)])]
     """
     lp = logits.float().log_softmax(-1)
-    top = lp.topk(min(k, lp.shape[-1])) if k else None
-    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    return float(lp[token]), alts
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top = lp.topk(min(k, lp.shape[-1]))
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
 
 
 def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequency: float = 0.0,
@@ -238,10 +243,10 @@ class Scheduler:
         cache = KVCache(cfg, 1, max_len=P, device=self.device, dtype=self.dtype)
         idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
         h = self.model.hidden(idx, None, cache)
-        if row.prompt_logprobs:
-            logits = self.model.head(h[0, :-1]).float() if P > 1 else None
-            row.sink.prompt([None] + [logprob_info(logits[i], t, row.logprobs or 0)
-                                      for i, t in enumerate(row.prompt[1:])])
+        if row.prompt_logprobs:       # the output layer on PROMPT_ROWS positions at a time: (rows, V) floats
+            row.sink.prompt([None] + [info for i in range(0, P - 1, PROMPT_ROWS) for info in logprob_info(
+                self.model.head(h[0, i:min(i + PROMPT_ROWS, P - 1)]), row.prompt[i + 1:i + 1 + PROMPT_ROWS],
+                row.logprobs or 0)])
         if row.max_tokens == 0:
             self._finish(row, "length")
             return
@@ -264,7 +269,7 @@ class Scheduler:
         """Draw the row's next token from logits (1, V); False when the row has finished."""
         adjusted = penalized(logits, row.tokens, row.presence_penalty, row.frequency_penalty, row.logit_bias)
         t = int(next_token(adjusted, row.temperature, row.top_k, row.top_p, row.generator)[0])
-        info = None if row.logprobs is None else logprob_info(logits[0], t, row.logprobs)
+        info = None if row.logprobs is None else logprob_info(logits, [t], row.logprobs)[0]
         row.tokens.append(t)
         self.tokens_generated += 1
         if row.sink.token(t, info):
