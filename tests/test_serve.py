@@ -729,10 +729,10 @@ def test_family_mismatch_model_name_and_unknown_route(client):
 def test_models_and_metrics(client):
     card = client.get("/v1/models").json()["data"][0]
     assert card["id"] == "tiny" and card["family"] == "gpt2" and card["context_length"] == 256
-    before = client.get("/metrics").json()
+    before = client.get("/metrics?format=json").json()
     r = client.post("/v1/completions", json={"prompt": "count me", "max_tokens": 7, "temperature": 0})
     client.post("/v1/completions", json={"prompt": "x", "top_p": 2})
-    after = client.get("/metrics").json()
+    after = client.get("/metrics?format=json").json()
     was = before["requests"].get("/v1/completions", {})
     done = after["requests"]["/v1/completions"]
     assert done["200"] == was.get("200", 0) + 1 and done["400"] == was.get("400", 0) + 1
@@ -741,6 +741,63 @@ def test_models_and_metrics(client):
     lat = after["latency_s"]["/v1/completions"]
     assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
     assert after["in_flight"] == 0 and after["running"] == 0 and after["queue_depth"] == 0
+    assert client.get("/metrics?format=yaml").json()["error"]["param"] == "format"
+
+
+def _prometheus(c) -> dict:
+    """GET /metrics through prometheus_client's parser -> {sample name: {labels (sorted tuple): value}}, and
+    {series name as the docs list it: type}."""
+    parser = pytest.importorskip("prometheus_client.parser")
+    r = c.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples, series = {}, {}
+    for family in parser.text_string_to_metric_families(r.text):
+        if family.name.endswith("_created"):         # prometheus-client's creation times
+            continue
+        series[family.name + ("_total" if family.type == "counter" else "")] = family.type
+        for x in family.samples:
+            samples.setdefault(x.name, {})[tuple(sorted(x.labels.items()))] = x.value
+    return samples, series
+
+
+def _documented_series() -> dict:
+    """The series docs/serving.md's Metrics table lists, with their types."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    return dict(re.findall(r"^\| `([\w:]+)` \| (\w+) \|", text.split("## Metrics")[1], re.M))
+
+
+def test_prometheus_metrics(client, bert_client):
+    before, _ = _prometheus(client)
+    prompt = client.post("/tokenize", json={"prompt": "count these tokens"}).json()["count"]
+    r = client.post("/v1/completions", json={"prompt": ["count these tokens"] * 2, "max_tokens": 5, "n": 2,
+                                             "temperature": 0, "logit_bias": {"50256": -100}})
+    client.post("/v1/completions", json={"prompt": "x", "top_p": 2})
+    after, series = _prometheus(client)
+
+    def grew(name, **labels):
+        if name.startswith("vllm:"):
+            labels["model_name"] = "tiny"
+        key = tuple(sorted(labels.items()))
+        return after[name][key] - before.get(name, {}).get(key, 0)
+    assert r.json()["usage"]["completion_tokens"] == 20
+    assert grew("vllm:generation_tokens_total") == 20 and grew("vllm:prompt_tokens_total") == 4 * prompt
+    assert grew("vllm:request_success_total", finished_reason="length") == 4
+    assert grew("vllm:time_to_first_token_seconds_count") == 4 and grew("vllm:e2e_request_latency_seconds_count") == 4
+    assert grew("vllm:inter_token_latency_seconds_count") == 4 * 4
+    assert grew("vllm:inter_token_latency_seconds_bucket", le="+Inf") == 16
+    for status in ("200", "400"):
+        assert grew("http_requests_total", handler="/v1/completions", status=status) == 1
+    assert grew("http_request_duration_seconds_count", handler="/v1/completions") == 2
+    tiny = (("model_name", "tiny"),)
+    assert after["vllm:num_requests_running"][tiny] == after["vllm:num_requests_waiting"][tiny] == 0
+    assert after["duolm:requests_capacity"][()] == 16 + 64 and after["duolm:requests_in_flight"][()] == 0
+    bert_client.post("/v1/embeddings", json={"input": ["a", "b", "c"]})
+    bert, bert_series = _prometheus(bert_client)
+    assert bert["duolm:encoder_items_total"][()] >= 3 and bert["vllm:num_requests_waiting"][(("model_name", "tiny-bert"),)] == 0
+    # the docs list exactly the series the two servers expose, with their types
+    assert {**series, **bert_series} == _documented_series()
 
 
 def test_api_key(gpt2):
@@ -801,7 +858,7 @@ def _first_chunk(lines):
 
 
 def _metrics(url):
-    return httpx.get(url + "/metrics", timeout=10).json()
+    return httpx.get(url + "/metrics?format=json", timeout=10).json()
 
 
 class GatedGPT2(GPT2):

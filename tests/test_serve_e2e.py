@@ -174,7 +174,7 @@ def test_16_concurrent_equal_16_sequential(gpt2_server, gpt2):
     for (text, reason, _), s in zip(sequential, specs):
         assert (text, reason) == library_completion(model, tok, s["prompt"], s["max_tokens"], s["seed"],
                                                     s["temperature"], s["top_k"], s["top_p"])
-    m = httpx.get(gpt2_server + "/metrics", timeout=10).json()
+    m = httpx.get(gpt2_server + "/metrics?format=json", timeout=10).json()
     assert m["peak_in_flight"] > 1          # they were in the server together
 
 
@@ -183,7 +183,7 @@ def test_16_concurrent_equal_16_sequential(gpt2_server, gpt2):
 
 def test_load_200_requests_64_clients(gpt2_server):
     url = gpt2_server
-    before = httpx.get(url + "/metrics", timeout=10).json()
+    before = httpx.get(url + "/metrics?format=json", timeout=10).json()
     rng = random.Random(1)
     jobs = [dict(prompt="load " * rng.randint(1, 20), max_tokens=rng.randint(8, 32), seed=i,
                  temperature=rng.choice([0.0, 1.0])) for i in range(200)]
@@ -217,7 +217,7 @@ def test_load_200_requests_64_clients(gpt2_server):
     assert all(ra == "1" and body["error"]["code"] == "rate_limit_exceeded" for _, _, ra, body, _ in over)
     for _, _, _, body, job in ok:
         assert body["usage"]["completion_tokens"] <= job["max_tokens"]
-    after = httpx.get(url + "/metrics", timeout=10).json()
+    after = httpx.get(url + "/metrics?format=json", timeout=10).json()
     assert after["rejected"] - before["rejected"] == len(over)            # every 429 was over capacity
     assert after["peak_in_flight"] <= after["capacity"] == 24             # and capacity was never exceeded
     assert after["in_flight"] == 0 and after["running"] == 0

@@ -38,9 +38,13 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     opts = config or ServeConfig()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
-    worker = Scheduler(model, opts.max_concurrency) if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s)
-    s = Served(model, tokenizer, opts.model_name or "duolm", worker, Admission(opts.max_concurrency + opts.max_queue),
-               opts.api_key, pooling or Pooling())
+    name = opts.model_name or "duolm"
+    metrics = Metrics(name)
+    worker = (Scheduler(model, opts.max_concurrency, on_finish=metrics.sequence) if isinstance(model, GPT2)
+              else EncoderWorker(opts.batch_window_s))
+    admission = Admission(opts.max_concurrency + opts.max_queue)
+    metrics.watch(admission.stats, worker.stats)
+    s = Served(model, tokenizer, name, worker, admission, metrics, opts.api_key, pooling or Pooling())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -73,7 +77,7 @@ async def _invalid(request, e: RequestValidationError):
     err = e.errors()[0]
     if err["type"] == "json_invalid":
         return JSONResponse(APIError(400, f"body is not valid JSON: {err['msg']}").body(), status_code=400)
-    loc = [str(x) for x in err["loc"] if x != "body"]
+    loc = [str(x) for x in err["loc"] if x not in ("body", "query")]
     msg = f"{'.'.join(loc) or 'body'}: {err['msg']}"
     return JSONResponse(APIError(400, msg, loc[0] if loc else None).body(), status_code=400)
 

@@ -70,6 +70,8 @@ class Row:
     cancelled: bool = False          # set from any thread; the row leaves at the next step
     finished: bool = False
     tokens: list = field(default_factory=list)
+    submitted: float = 0.0           # time.perf_counter() at submit()
+    times: list = field(default_factory=list)     # and when each token was drawn
     n: int = 0                       # positions of this row in the cache
     generator: torch.Generator | None = None
 
@@ -116,7 +118,7 @@ class Scheduler:
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
     in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2."""
 
-    def __init__(self, model, max_batch: int = 16):
+    def __init__(self, model, max_batch: int = 16, on_finish=None):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
@@ -124,7 +126,8 @@ class Scheduler:
         w = model.wte.weight
         self.device = w.device
         self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
-        self.tokens_generated = 0
+        self.on_finish = on_finish       # on_finish(row, reason) when a row ends (the server's metrics)
+        self.prompt_tokens = self.tokens_generated = 0
         self.finish_reasons = collections.Counter()   # rows ended, by reason
         self.busy_s = 0.0                # time spent in step() with work to do
         self._waiting = collections.deque()
@@ -140,7 +143,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        """Rows in the batch that have not finished (a finished row leaves at the end of its step)."""
+        return sum(not r.finished for r in self._rows)
 
     @property
     def waiting(self) -> int:
@@ -148,11 +152,15 @@ class Scheduler:
 
     def stats(self) -> dict:
         """The decode loop's share of GET /metrics."""
-        return {"running": self.running, "queue_depth": self.waiting, "tokens_generated": self.tokens_generated,
+        return {"running": self.running, "queue_depth": self.waiting, "prompt_tokens": self.prompt_tokens,
+                "tokens_generated": self.tokens_generated,
                 "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
                 "finish_reasons": dict(self.finish_reasons)}
 
     def submit(self, rows) -> None:
+        now = time.perf_counter()
+        for row in rows:
+            row.submitted = now
         with self._cond:
             self._waiting.extend(rows)
             self._cond.notify()
@@ -206,6 +214,8 @@ class Scheduler:
         if not row.finished:
             row.finished = True
             self.finish_reasons[reason] += 1
+            if self.on_finish is not None:      # before the client hears of it: its metrics are complete
+                self.on_finish(row, reason)
             row.sink.done(reason)
 
     def _guard(self, rows, fn, *args):
@@ -243,6 +253,7 @@ class Scheduler:
         cache = KVCache(cfg, 1, max_len=P, device=self.device, dtype=self.dtype)
         idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
         h = self.model.hidden(idx, None, cache)
+        self.prompt_tokens += P
         if row.prompt_logprobs:       # the output layer on PROMPT_ROWS positions at a time: (rows, V) floats
             row.sink.prompt([None] + [info for i in range(0, P - 1, PROMPT_ROWS) for info in logprob_info(
                 self.model.head(h[0, i:min(i + PROMPT_ROWS, P - 1)]), row.prompt[i + 1:i + 1 + PROMPT_ROWS],
@@ -271,6 +282,7 @@ class Scheduler:
         t = int(next_token(adjusted, row.temperature, row.top_k, row.top_p, row.generator)[0])
         info = None if row.logprobs is None else logprob_info(logits, [t], row.logprobs)[0]
         row.tokens.append(t)
+        row.times.append(time.perf_counter())
         self.tokens_generated += 1
         if row.sink.token(t, info):
             self._finish(row, "stop")
