@@ -1040,9 +1040,21 @@ def test_concurrent_embedding_requests_run_as_one_batch(bert_client, bert):
 
 
 def test_embedding_limits(bert_client, bert):
-    _, tok = bert
+    model, tok = bert
     r = bert_client.post("/v1/embeddings", json={"input": "word " * 70})
     assert r.status_code == 400 and r.json()["error"]["message"].startswith("input has 72 tokens, limit 64")
+    # vLLM's truncate_prompt_tokens: cut as HF's tokenizer cuts (truncation=True, max_length=N), and said so
+    long, short = "word " * 70, "a few words"
+    for n, keep in ((-1, 64), (64, 64), (10, 10), (2, 2)):
+        r = bert_client.post("/v1/embeddings", json={"input": [long, short], "truncate_prompt_tokens": n}).json()
+        cut = tok.encode(long, max_length=keep).ids
+        assert len(cut) == keep and cut[-1] == tok.sep_id
+        assert torch.tensor(r["data"][0]["embedding"]) == pytest.approx(_cls_alone(model, cut), abs=1e-6)
+        assert r["data"][0]["truncated"] is True and ("truncated" in r["data"][1]) == (keep < 5)
+        assert r["usage"]["prompt_tokens"] == keep + min(keep, 5)
+    for n in (0, 1, 65):
+        r = bert_client.post("/v1/embeddings", json={"input": long, "truncate_prompt_tokens": n})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
     r = bert_client.post("/v1/embeddings", json={"input": "x", "dimensions": 16})
     assert r.status_code == 400 and r.json()["error"]["param"] == "dimensions"
     r = bert_client.post("/v1/embeddings", json={"input": [[tok.vocab_size]]})

@@ -64,6 +64,8 @@ class EmbeddingRequest(_Request):
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's: cut each input to this many tokens ([CLS] ... [SEP]); -1: to the model's limit; None: refuse longer
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
 
 
 class FillMaskRequest(_Request):
