@@ -33,14 +33,14 @@ from duolm.serve.schemas import APIError
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
     in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
-    max_body_bytes, batch_window_s). pooling: how BERT embeddings are pooled (encoders.read_pooling;
+    max_body_bytes, batch_window_s, batch_invariant). pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
     name = opts.model_name or "duolm"
     metrics = Metrics(name)
-    worker = (Scheduler(model, opts.max_concurrency, on_finish=metrics.sequence) if isinstance(model, GPT2)
+    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant) if isinstance(model, GPT2)
               else EncoderWorker(opts.batch_window_s))
     admission = Admission(opts.max_concurrency + opts.max_queue)
     metrics.watch(admission.stats, worker.stats)

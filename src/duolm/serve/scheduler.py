@@ -14,6 +14,11 @@ cached positions sit in columns [L - n_j, L); the columns before them are paddin
 attention mask (the model counts positions over real tokens only). Each step writes column L for
 every row. A prompt longer than L joining shifts the block right; when the buffer is full, the
 columns that are padding in every row are dropped (the block shifts left).
+
+batch_invariant=True trades that sharing for bitwise reproducibility: each row keeps the 1-row cache of
+its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
+log-probabilities are the same bits whatever runs beside it, and in whatever order rows arrive. A step
+then costs one forward per row instead of one for the batch.
 """
 from __future__ import annotations
 
@@ -74,6 +79,7 @@ class Row:
     times: list = field(default_factory=list)     # and when each token was drawn
     n: int = 0                       # positions of this row in the cache
     generator: torch.Generator | None = None
+    cache: KVCache | None = None     # batch_invariant: the row's own cache
 
 
 def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
@@ -116,13 +122,15 @@ class Scheduler:
 
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
-    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2."""
+    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2.
+    batch_invariant: decode every row alone (see the module's doc)."""
 
-    def __init__(self, model, max_batch: int = 16, on_finish=None):
+    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
         self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
         w = model.wte.weight
         self.device = w.device
         self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
@@ -250,7 +258,8 @@ class Scheduler:
             return
         cfg = self.model.config
         P = len(row.prompt)
-        cache = KVCache(cfg, 1, max_len=P, device=self.device, dtype=self.dtype)
+        room = min(cfg.block_size, P + max(row.max_tokens, 1) - 1) if self.batch_invariant else P
+        cache = KVCache(cfg, 1, max_len=room, device=self.device, dtype=self.dtype)
         idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
         h = self.model.hidden(idx, None, cache)
         self.prompt_tokens += P
@@ -262,6 +271,10 @@ class Scheduler:
             self._finish(row, "length")
             return
         if not self._draw(row, self.model.head(h[:, -1]).float()):
+            return
+        if self.batch_invariant:
+            row.cache = cache
+            self._rows.append(row)
             return
         # into the batch: right-aligned at column L (shift the block right if the prompt is longer)
         if not self._rows:
@@ -295,6 +308,23 @@ class Scheduler:
     # --- the batch ------------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        logits = self._step_alone() if self.batch_invariant else self._step_batch()
+        done = []
+        for j, row in enumerate(self._rows):
+            row.n += 1
+            if row.cancelled:
+                self._finish(row, "cancelled")
+            if row.finished or not self._draw(row, logits[j:j + 1]):
+                done.append(j)
+        self._leave(done)
+
+    def _step_alone(self) -> torch.Tensor:
+        """Logits (B, V) of the next token of every row, each row run alone in its own cache."""
+        return torch.cat([self.model.head(self.model.hidden(torch.tensor([[r.tokens[-1]]], device=self.device),
+                                                            None, r.cache)[:, -1]).float() for r in self._rows])
+
+    def _step_batch(self) -> torch.Tensor:
+        """Logits (B, V) of the next token of every row, in one forward over the batch cache."""
         B = len(self._rows)
         if self._L + 1 > self._cache.max_len:
             self._realign(max(r.n for r in self._rows))
@@ -307,20 +337,18 @@ class Scheduler:
         idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
         logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
         self._L = L + 1
-        done = []
-        for j, row in enumerate(self._rows):
-            row.n += 1
-            if row.cancelled:
-                self._finish(row, "cancelled")
-            if row.finished or not self._draw(row, logits[j:j + 1]):
-                done.append(j)
-        self._leave(done)
+        return logits
 
     def _leave(self, gone: list) -> None:
         """Remove the (finished) rows at slots `gone`; the rows after the new end move into the holes."""
         if not gone:
             return
         gone_set = set(gone)
+        if self.batch_invariant:         # no shared cache: the rows' own go with them
+            for j in gone:
+                self._rows[j].cache = None
+            self._rows = [r for j, r in enumerate(self._rows) if j not in gone_set]
+            return
         B = len(self._rows)
         keep = B - len(gone)
         holes = [j for j in range(keep) if j in gone_set]
