@@ -12,6 +12,17 @@ round is kept (on a shared 2-core machine one run can be far off).
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
 
+With --batch-invariant it also serves the model with `duolm serve --batch-invariant` (every sequence decoded
+alone: bitwise the same numbers at any concurrency) and compares.
+
+With --scoring N it measures instead what lm-evaluation-harness's loglikelihood requests cost through the
+server: N LAMBADA passages (the shared dev file), each one request shaped as lm-eval sends it (the ids of
+context + " " + last word, echo, max_tokens 1, logprobs 1, temperature 0), from 4 concurrent clients, against
+`duolm eval --task lambada` in this process on the same passages (the numbers checked equal: accuracy and
+perplexity from the server's log-probabilities as lm-eval reads them).
+
+    python benchmarks/serve.py --scoring 64 --threads 2
+
 With --soak N it runs instead the longer version of tests/test_serve_soak.py (whose clients it uses, from
 tests/soak.py): N requests from 32 clients to a tiny GPT-2 and to a tiny BERT with a classify head, each served
 with --max-concurrency 8, mixed plain and streamed, ~20% left by their client at a random point, ~10%
@@ -137,6 +148,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every server and of the library run")
     ap.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
+    ap.add_argument("--batch-invariant", action="store_true", help="also `duolm serve --batch-invariant`")
+    ap.add_argument("--scoring", type=int, default=0, metavar="N",
+                    help="measure lm-eval-shaped scoring of N LAMBADA passages instead")
     ap.add_argument("--soak", type=int, default=0, metavar="N", help="run the serving soak of N requests instead")
     args = ap.parse_args()
     if args.soak:
@@ -146,6 +160,10 @@ def main():
     if not (DATA / "gpt2" / "encoder.json").is_file():
         sys.exit(f"{DATA} is absent: the benchmark needs GPT-2's vocabulary and WikiText-2 from it")
     tok = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
+    if args.scoring:
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory(prefix="duolm-scoring-bench-") as tmp:
+            return run_scoring(args, GPT2(GPT2Config.preset("gpt2")).eval(), tok, Path(tmp))
     lines = [ln.strip() for ln in (DATA / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines()
              if 80 < len(ln.strip()) < 200]
     prompts = [" ".join(ln.split()[:20]) for ln in lines[:args.requests]]
@@ -161,6 +179,8 @@ def run_all(args, model, tok, prompts, tmp):
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     servers = [("duolm serve", [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--max-concurrency",
                                 "16", "--max-queue", "64"], "gpt2-124m", threads)]
+    if args.batch_invariant:
+        servers.append(("duolm serve --batch-invariant", servers[0][1] + ["--batch-invariant"], "gpt2-124m", threads))
     if not args.no_transformers:
         try:
             import accelerate  # noqa: F401  (transformers serve needs it on CPU)
@@ -220,6 +240,77 @@ def run_all(args, model, tok, prompts, tmp):
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 
+
+
+def lm_eval_scores(url, model_id, seqs, n_clients=4):
+    """-> (seconds, [(sum of the continuation's log p, greedy)] per (context ids, continuation ids)): one request
+    per passage as lm-evaluation-harness's local-completions sends it, read as it reads the answer."""
+    def score(seq):
+        ctx, cont = seq
+        body = {"model": model_id, "prompt": [ctx + cont], "max_tokens": 1, "echo": True, "logprobs": 1,
+                "temperature": 0, "seed": 1234}
+        with httpx.Client(timeout=600) as c:
+            lp = c.post(url + "/v1/completions", json=body).raise_for_status().json()["choices"][0]["logprobs"]
+        tokens, tops = lp["token_logprobs"][len(ctx):-1], lp["top_logprobs"][len(ctx):-1]
+        return sum(tokens), all(t == max(top.values()) for t, top in zip(tokens, tops))
+
+    t = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(n_clients) as pool:
+        out = list(pool.map(score, seqs))
+    return time.perf_counter() - t, out
+
+
+def same_work(model, seqs, batch_size=8) -> float:
+    """-> seconds for what the server computes for these requests, in this process and batched as duolm eval
+    batches: every position's log p and its most likely token (lm-eval's echo + logprobs 1)."""
+    t = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(seqs), batch_size):
+            ids = [a + b for a, b in seqs[i:i + batch_size]]
+            idx = torch.zeros(len(ids), max(map(len, ids)), dtype=torch.long)
+            for j, x in enumerate(ids):
+                idx[j, :len(x)] = torch.tensor(x)
+            h = model.hidden(idx)
+            targets = torch.tensor([t for x in ids for t in x[1:]])
+            lp = model.head(torch.cat([h[j, :len(x) - 1] for j, x in enumerate(ids)])).float().log_softmax(-1)
+            lp.gather(1, targets[:, None]), lp.topk(1)
+    return time.perf_counter() - t
+
+
+def run_scoring(args, model, tok, tmp):
+    """lm-eval-shaped scoring requests through `duolm serve` against duolm eval in this process."""
+    import math
+
+    from duolm.evaluation import evaluate_lm
+    from duolm.evaluation.readers import lambada_examples
+
+    examples = lambada_examples(DATA / "lambada" / "lambada_development_plain_text.txt")[:args.scoring]
+    seqs = [(tok.encode_ordinary(ex.context), tok.encode_ordinary(ex.target)) for ex in examples]
+    duolm.save(model, tmp / "gpt2-124m", tok)
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--port", url.rsplit(":", 1)[1]]
+    threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
+    print(f"torch {torch.__version__}, {args.threads} threads; GPT-2 124M random weights; {len(seqs)} LAMBADA "
+          f"passages of ~{sum(len(a) + len(b) for a, b in seqs) // len(seqs)} tokens; best of {args.rounds} rounds")
+    best_eval = best_serve = best_same = float("inf")
+    with process(cmd, url, tmp / "serve.log", threads):
+        lm_eval_scores(url, "gpt2-124m", seqs[:4])                        # warm up
+        for _ in range(args.rounds):
+            t = time.perf_counter()
+            ref = evaluate_lm(model, tok, "lambada", examples)            # duolm eval's batch size, 8
+            best_eval = min(best_eval, time.perf_counter() - t)
+            best_same = min(best_same, same_work(model, seqs))
+            seconds, scores = lm_eval_scores(url, "gpt2-124m", seqs)
+            best_serve = min(best_serve, seconds)
+            print(f"  duolm eval {len(seqs) / best_eval:.2f} passages/s, the server's work in-process "
+                  f"{len(seqs) / best_same:.2f}, duolm serve {len(seqs) / seconds:.2f}", flush=True)
+    acc = 100 * sum(greedy for _, greedy in scores) / len(scores)
+    ppl = math.exp(-sum(s for s, _ in scores) / len(scores))
+    print(f"same numbers: accuracy {acc:.2f} vs {ref['acc_last_word']:.2f}, perplexity {ppl:.6g} vs {ref['ppl']:.6g}")
+    print(f"duolm eval in-process: {len(seqs) / best_eval:.2f} passages/s; duolm serve, 4 clients: "
+          f"{len(seqs) / best_serve:.2f} passages/s; ratio {best_eval / best_serve:.2f}x (target >= 0.7x)")
+    print(f"the server's work (every position's log p and top-1, batched by 8) in-process: {len(seqs) / best_same:.2f} "
+          f"passages/s ({best_eval / best_same:.2f}x duolm eval); duolm serve / that: {best_same / best_serve:.2f}x")
 
 
 def run_soak(n, tmp, clients=32, warmup=500):

@@ -237,7 +237,7 @@ def settled(url: str, timeout: float = 30) -> dict:
     step; the bound only prevents a hang, and then the last metrics are returned for the caller to fail on)."""
     deadline = time.monotonic() + timeout
     while True:
-        m = httpx.get(url + "/metrics", timeout=10).json()
+        m = httpx.get(url + "/metrics?format=json", timeout=10).json()
         if (m["in_flight"], m["running"], m["queue_depth"]) == (0, 0, 0) or time.monotonic() > deadline:
             return m
         time.sleep(0.05)

@@ -174,7 +174,7 @@ def test_16_concurrent_equal_16_sequential(gpt2_server, gpt2):
     for (text, reason, _), s in zip(sequential, specs):
         assert (text, reason) == library_completion(model, tok, s["prompt"], s["max_tokens"], s["seed"],
                                                     s["temperature"], s["top_k"], s["top_p"])
-    m = httpx.get(gpt2_server + "/metrics", timeout=10).json()
+    m = httpx.get(gpt2_server + "/metrics?format=json", timeout=10).json()
     assert m["peak_in_flight"] > 1          # they were in the server together
 
 
@@ -183,7 +183,7 @@ def test_16_concurrent_equal_16_sequential(gpt2_server, gpt2):
 
 def test_load_200_requests_64_clients(gpt2_server):
     url = gpt2_server
-    before = httpx.get(url + "/metrics", timeout=10).json()
+    before = httpx.get(url + "/metrics?format=json", timeout=10).json()
     rng = random.Random(1)
     jobs = [dict(prompt="load " * rng.randint(1, 20), max_tokens=rng.randint(8, 32), seed=i,
                  temperature=rng.choice([0.0, 1.0])) for i in range(200)]
@@ -217,7 +217,7 @@ def test_load_200_requests_64_clients(gpt2_server):
     assert all(ra == "1" and body["error"]["code"] == "rate_limit_exceeded" for _, _, ra, body, _ in over)
     for _, _, _, body, job in ok:
         assert body["usage"]["completion_tokens"] <= job["max_tokens"]
-    after = httpx.get(url + "/metrics", timeout=10).json()
+    after = httpx.get(url + "/metrics?format=json", timeout=10).json()
     assert after["rejected"] - before["rejected"] == len(over)            # every 429 was over capacity
     assert after["peak_in_flight"] <= after["capacity"] == 24             # and capacity was never exceeded
     assert after["in_flight"] == 0 and after["running"] == 0
@@ -254,8 +254,10 @@ def test_embeddings_equal_sentence_transformers(data_dir, tmp_path, monkeypatch)
     sentences = _sts_sentences(data_dir, 120)
     assert len(sentences) == 120
     with server(mdir, tmp_path / "minilm.log", wait=False) as (url, proc):
-        ref = st.SentenceTransformer(str(mdir), device="cpu").encode(sentences, normalize_embeddings=True,
-                                                                      convert_to_numpy=True)
+        st_model = st.SentenceTransformer(str(mdir), device="cpu")
+        ref = st_model.encode(sentences, normalize_embeddings=True, convert_to_numpy=True)
+        long = " ".join(sentences[:40])                        # over max_seq_length: sentence-transformers cuts it
+        ref_long = st_model.encode([long], normalize_embeddings=True, convert_to_numpy=True)[0]
         wait_healthy(url, proc, tmp_path / "minilm.log")
         client = _client(url)
         card = client.models.list().data[0]
@@ -266,7 +268,12 @@ def test_embeddings_equal_sentence_transformers(data_dir, tmp_path, monkeypatch)
             got = list(pool.map(lambda p: client.embeddings.create(model="model", input=p), parts))
         ours = np.array([d.embedding for r in got for d in sorted(r.data, key=lambda d: d.index)], dtype=np.float32)
         floats = client.embeddings.create(model="model", input=sentences[:5], encoding_format="float")
+        with pytest.raises(openai.BadRequestError, match="limit 256"):
+            client.embeddings.create(model="model", input=long)
+        cut = client.embeddings.create(model="model", input=long, extra_body={"truncate_prompt_tokens": -1})
     assert ours.shape == ref.shape == (120, 384)
+    assert cut.data[0].model_extra["truncated"] is True and cut.usage.prompt_tokens == 256
+    assert np.abs(np.array(cut.data[0].embedding) - ref_long).max() < 1e-5
     assert np.abs(ours - ref).max() < 1e-5
     # A tolerance, not equality: the same five sentences ran in a batch of 5 here and of 30 above, padded to other
     # lengths, and the CPU's GEMM kernels block a (5, T) and a (30, T') product differently, so the last bits of a

@@ -382,7 +382,8 @@ def save(model, path, tokenizer=None, format="duolm"):
     _save_safetensors(hf_sd, path / WEIGHTS)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)
-        write_json(path / TOKENIZER_CONFIG, _hf_tokenizer_config(tokenizer, path, model.config))
+        written = read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}
+        write_json(path / TOKENIZER_CONFIG, hf_tokenizer_config(tokenizer, model.config.block_size, written))
     write_json(path / CONFIG, config)
     return path
 
@@ -426,11 +427,12 @@ def _save_tokenizer(tokenizer, path: Path):
     tokenizer.save(path)      # every file written atomically, all of them before any is replaced
 
 
-def _hf_tokenizer_config(tokenizer, path: Path, config) -> dict:
-    """tokenizer_config.json that transformers' AutoTokenizer understands, keeping what the
-    tokenizer itself wrote there (e.g. WordPiece's do_lower_case)."""
-    d = read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}
-    d["model_max_length"] = config.block_size
+def hf_tokenizer_config(tokenizer, block_size: int, written: dict | None = None) -> dict:
+    """tokenizer_config.json that transformers' AutoTokenizer understands (its class, special tokens and
+    model_max_length = block_size), keeping what the tokenizer itself wrote there (`written`, e.g.
+    WordPiece's do_lower_case). The HF export writes it; `duolm serve` answers it at GET /tokenizer_info."""
+    d = dict(written or {})
+    d["model_max_length"] = block_size
     if isinstance(tokenizer, WordPiece):
         d.update(tokenizer_class="BertTokenizer", do_lower_case=bool(tokenizer.lowercase),
                  unk_token="[UNK]", sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")

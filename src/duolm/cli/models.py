@@ -223,7 +223,8 @@ def add_serve(sub):
 
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (extra: duolm[serve])",
                        description="GPT-2: /v1/completions; BERT: /v1/embeddings and /v1/fill-mask; both: "
-                                   "/v1/models, /health, /metrics. SIGTERM lets in-flight requests finish.")
+                                   "/v1/models, /health, /metrics, /tokenize, /detokenize, /tokenizer_info. "
+                                   "SIGTERM lets in-flight requests finish.")
     p.add_argument("dir", help="model directory (duolm, Hugging Face, or a training run)")
     key = p.add_mutually_exclusive_group()
     key.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (visible in ps: prefer --api-key-file)")

@@ -35,6 +35,9 @@ class ServeConfig:
     model_name: str | None = field(default=None, metadata={"help": "the id clients send (default: the "
                                                                    "model directory's name)"})
     device: str = "cpu"
+    batch_invariant: bool = field(default=False, metadata={
+        "help": "decode each sequence alone: tokens and log-probabilities bitwise the same whatever runs beside "
+                "it (one forward per sequence and step instead of one per step)"})
     batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
 
 

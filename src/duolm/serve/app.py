@@ -1,7 +1,7 @@
 """The HTTP application: OpenAI-compatible routes over one model, with limits in front of them.
 
-The routes are APIRouters, one module per kind of model: status.py (every model), gpt2.py, bert.py
-and heads.py (fine-tuned heads). Every route is mounted; one the served model cannot answer is a 400
+The routes are APIRouters: status.py and tokens.py (every model), then one module per kind of model:
+gpt2.py, bert.py and heads.py (fine-tuned heads). Every route is mounted; one the served model cannot answer is a 400
 naming the model and stays out of the OpenAPI docs: GET /openapi.json (and /docs) lists the routes
 this server answers, as a 404's message does.
 
@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from duolm.models import GPT2
-from duolm.serve import ServeConfig, bert, gpt2, heads, status
+from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
 from duolm.serve.metrics import Admission, Metrics
@@ -33,14 +33,18 @@ from duolm.serve.schemas import APIError
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
     in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
-    max_body_bytes, batch_window_s). pooling: how BERT embeddings are pooled (encoders.read_pooling;
+    max_body_bytes, batch_window_s, batch_invariant). pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
-    worker = Scheduler(model, opts.max_concurrency) if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s)
-    s = Served(model, tokenizer, opts.model_name or "duolm", worker, Admission(opts.max_concurrency + opts.max_queue),
-               opts.api_key, pooling or Pooling())
+    name = opts.model_name or "duolm"
+    metrics = Metrics(name)
+    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant) if isinstance(model, GPT2)
+              else EncoderWorker(opts.batch_window_s))
+    admission = Admission(opts.max_concurrency + opts.max_queue)
+    metrics.watch(admission.stats, worker.stats)
+    s = Served(model, tokenizer, name, worker, admission, metrics, opts.api_key, pooling or Pooling())
 
     @asynccontextmanager
     async def lifespan(app):
@@ -53,7 +57,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     app = FastAPI(title="duolm", lifespan=lifespan)
     app.state.draining = False
     guard = [Depends(s.accepting), Depends(s.authorized)]       # status.py guards its own: /health is open
-    routers = [(status.router(s), []), (gpt2.router(s), guard), (bert.router(s), guard), (heads.router(s), guard)]
+    routers = [(status.router(s), []), (tokens.router(s), guard), (gpt2.router(s), guard), (bert.router(s), guard),
+               (heads.router(s), guard)]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
     app.state.routes = [route for router, _ in routers for route in router.routes]
@@ -72,7 +77,7 @@ async def _invalid(request, e: RequestValidationError):
     err = e.errors()[0]
     if err["type"] == "json_invalid":
         return JSONResponse(APIError(400, f"body is not valid JSON: {err['msg']}").body(), status_code=400)
-    loc = [str(x) for x in err["loc"] if x != "body"]
+    loc = [str(x) for x in err["loc"] if x not in ("body", "query")]
     msg = f"{'.'.join(loc) or 'body'}: {err['msg']}"
     return JSONResponse(APIError(400, msg, loc[0] if loc else None).body(), status_code=400)
 

@@ -44,14 +44,27 @@ def router(s: Served) -> APIRouter:
         if body.dimensions is not None and body.dimensions != cfg.n_embd:
             raise APIError(400, f"dimensions: this model's embeddings have {cfg.n_embd} dimensions", "dimensions")
         limit = s.pooling.max_length or cfg.block_size
-        ids, vecs = await run_batch(s, embed_fn, lambda: bert_inputs(body.input, tok, limit))
+        keep = limit if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        if keep is not None and not 2 <= keep <= limit:
+            raise APIError(400, f"truncate_prompt_tokens={keep}: cut inputs to 2 to {limit} tokens (-1: {limit})",
+                           "truncate_prompt_tokens")
+        lengths = []
+
+        def inputs():
+            ids = bert_inputs(body.input, tok, limit if keep is None else None)
+            lengths.extend(map(len, ids))
+            return ids if keep is None else [truncated(x, keep) for x in ids]
+        ids, vecs = await run_batch(s, embed_fn, inputs)
         if body.encoding_format == "base64":
             data = [base64.b64encode(v.numpy().astype("<f4").tobytes()).decode() for v in vecs]
         else:
             data = [v.tolist() for v in vecs]
         n = sum(map(len, ids))
-        return {"object": "list", "model": s.name, "usage": {"prompt_tokens": n, "total_tokens": n},
-                "data": [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]}
+        items = [{"object": "embedding", "index": i, "embedding": e} for i, e in enumerate(data)]
+        for item, x, n_in in zip(items, ids, lengths):
+            if len(x) < n_in:
+                item["truncated"] = True
+        return {"object": "list", "model": s.name, "usage": {"prompt_tokens": n, "total_tokens": n}, "data": items}
 
     def fill_fn(items):
         return [fill_mask_text(model, tok, text, top_k) for text, top_k in items]
@@ -76,9 +89,9 @@ def router(s: Served) -> APIRouter:
     return r
 
 
-def bert_inputs(value, tokenizer, limit: int) -> list:
+def bert_inputs(value, tokenizer, limit: int | None) -> list:
     """Texts -> [CLS] pieces [SEP]; token-id lists (word pieces) get [CLS] and [SEP] around them.
-    More than MAX_INPUTS inputs, or one longer than `limit` tokens, raise APIError(400)."""
+    More than MAX_INPUTS inputs, or one longer than `limit` tokens (None: no limit), raise APIError(400)."""
     def encode(text):
         return tokenizer.encode(text).ids
     ids = to_id_lists(value, "input", encode, tokenizer.vocab_size)
@@ -88,7 +101,13 @@ def bert_inputs(value, tokenizer, limit: int) -> list:
     if raw:
         ids = [[tokenizer.cls_id, *x, tokenizer.sep_id] for x in ids]
     for i, x in enumerate(ids):
-        if len(x) > limit:
+        if limit is not None and len(x) > limit:
             which = f" (input {i})" if len(ids) > 1 else ""
             raise APIError(400, f"input has {len(x)} tokens, limit {limit}{which}", "input")
     return ids
+
+
+def truncated(ids: list, keep: int) -> list:
+    """[CLS] pieces [SEP] of more than `keep` tokens cut to the first keep - 1 and [SEP] (HF's and
+    sentence-transformers' truncation); shorter ones as they are."""
+    return ids if len(ids) <= keep else ids[:keep - 1] + ids[-1:]

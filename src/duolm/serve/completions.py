@@ -4,7 +4,9 @@ text (UTF-8 safe, stop strings, end of text), the response body and its server-s
 Choice i * n + j is the j-th sample for prompt i, drawn with seed `seed + i * n + j` (a random seed
 when the request gives none), so one prompt with `seed` gives the text and the end that
 `duolm.generation.generate_text(model, tokenizer, prompt, max_tokens, ..., stop=stop, seed=seed)`
-gives. Log-probabilities are those of the raw model (before temperature, top-k and top-p).
+gives. presence_penalty, frequency_penalty and logit_bias change the logits each draw is made from
+(scheduler.penalized); log-probabilities are those of the raw model (before penalties, temperature,
+top-k and top-p).
 """
 from __future__ import annotations
 
@@ -43,25 +45,31 @@ def to_id_lists(value, field: str, encode, vocab_size: int) -> list:
     return out
 
 
+def encode_text(tokenizer, text: str, allowed_special) -> list:
+    """GPT-2's ids for a text of a request: special tokens spelled in it are plain text unless named in
+    `allowed_special` (a list of them, or "all"); a name that is no special token raises APIError(400)."""
+    try:
+        return tokenizer.encode(text, allowed_special="all" if allowed_special == "all" else set(allowed_special),
+                                disallowed_special=())
+    except ValueError as e:
+        raise APIError(400, f"allowed_special: {e}", "allowed_special") from None
+
+
 def encode_prompts(req: CompletionRequest, tokenizer, config) -> list:
-    """The request's prompts as token ids, checked against the model's `config`: ids in its
-    vocabulary, at most block_size - max_tokens of them. Special tokens spelled in a text prompt are plain
-    text unless named in `allowed_special`; an empty text prompt means <|endoftext|>."""
+    """The request's prompts as token ids, checked against the model's `config`: ids in its vocabulary,
+    at most block_size + 1 - max(max_tokens, 1) of them (the last token drawn is never fed back, so a
+    prompt may fill the context when one token is asked for), and the request's other fields (check_fields).
+    An empty text prompt means <|endoftext|>."""
+    check_fields(req, config.vocab_size)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     eot = tokenizer.eot_id
 
     def encode(text):
-        if text == "" and eot is not None:
-            return [eot]
-        try:
-            return tokenizer.encode(text, allowed_special=set(req.allowed_special) if req.allowed_special != "all"
-                                    else "all", disallowed_special=())
-        except ValueError as e:
-            raise APIError(400, f"allowed_special: {e}", "allowed_special") from None
+        return [eot] if text == "" and eot is not None else encode_text(tokenizer, text, req.allowed_special)
 
     prompts = to_id_lists(req.prompt, "prompt", encode, config.vocab_size)
     block_size = config.block_size
-    limit = block_size - max_tokens
+    limit = block_size + 1 - max(max_tokens, 1)
     if limit < 1:
         raise APIError(400, f"max_tokens={max_tokens} leaves no room for a prompt in the context of "
                             f"{block_size} tokens", "max_tokens")
@@ -73,6 +81,21 @@ def encode_prompts(req: CompletionRequest, tokenizer, config) -> list:
     if len(prompts) * req.n > MAX_ROWS:
         raise APIError(400, f"n: {len(prompts)} prompts x n={req.n} is more than {MAX_ROWS} sequences", "n")
     return prompts
+
+
+def check_fields(req: CompletionRequest, vocab_size: int) -> None:
+    """APIError(400) naming the field for a value duolm does not do: best_of other than n (no ranking of
+    extra samples), a non-empty suffix (GPT-2 does not insert text), a logit_bias key that is not a
+    token id of the model. Their neutral values (best_of = n, suffix "", logit_bias {}) are accepted."""
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, f"best_of={req.best_of}: only best_of = n ({req.n}) is supported; duolm does not "
+                            "rank extra samples", "best_of")
+    if req.suffix:
+        raise APIError(400, "suffix: text after the completion is not supported (GPT-2 does not insert text)",
+                       "suffix")
+    for key in req.logit_bias or {}:
+        if not (key.isascii() and key.isdigit() and key == str(int(key)) and int(key) < vocab_size):
+            raise APIError(400, f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
 
 
 class Choice(Sink):
@@ -108,6 +131,8 @@ def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
                 max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_k=req.top_k, top_p=req.top_p, logprobs=req.logprobs,
+                presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+                logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                 prompt_logprobs=req.echo and req.logprobs is not None,
                 sink=Choice(k, tokenizer, stop, put)))
     return rows
@@ -189,12 +214,11 @@ class _Logprobs:
         self._offset = self._sent = 0
 
     def add(self, tok, token, info):
-        s = tok.decode([token])
-        self.tokens.append(s)
+        self.tokens.append(token_name(tok, token))
         self.token_logprobs.append(None if info is None else info[0])
-        self.top_logprobs.append(None if info is None else {tok.decode([i]): v for i, v in info[1]})
+        self.top_logprobs.append(None if info is None else {token_name(tok, i): v for i, v in info[1]})
         self.text_offset.append(self._offset)
-        self._offset += len(s)
+        self._offset += len(tok.decode([token]))
 
     def since(self) -> dict:
         """The entries added since the last call (a stream chunk's share)."""
@@ -207,3 +231,23 @@ class _Logprobs:
     def _slice(self, a, b) -> dict:
         return {"tokens": self.tokens[a:b], "token_logprobs": self.token_logprobs[a:b],
                 "top_logprobs": self.top_logprobs[a:b], "text_offset": self.text_offset[a:b]}
+
+
+def token_name(tokenizer, token: int) -> str:
+    """How `logprobs` names a token (in its "tokens" and the keys of "top_logprobs"): its text, or, when its
+    bytes are not UTF-8 on their own (part of a character), "bytes:" and their escapes as OpenAI writes
+    them, so that no two tokens share a name (two such tokens both decode to U+FFFD).
+
+    >>> from duolm.tokenizers import ByteLevelBPE
+    >>> tok = ByteLevelBPE({bytes([i]): i for i in range(256)}, {})
+    >>> print(*[token_name(tok, i) for i in (104, 0xe2, 0x82)])
+    h bytes:\\xe2 bytes:\\x82
+    """
+    b = tokenizer.decode_bytes([token])
+    try:
+        text = b.decode("utf-8")
+        if not text.startswith("bytes:"):          # a token spelled "bytes:..." is named by its bytes too
+            return text
+    except UnicodeDecodeError:
+        pass
+    return "bytes:" + "".join(f"\\x{c:02x}" for c in b)

@@ -9,7 +9,6 @@ the model to work gets the last two from `Served.model_route`.
 from __future__ import annotations
 
 import hmac
-import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,18 +40,17 @@ class Worker(Protocol):
 @dataclass(eq=False)
 class Served:
     """One model served: the model (in eval mode) and its tokenizer, the id clients send (`name`),
-    the worker that runs it, the admission counter, the API key (None: open), for BERT the
-    embeddings' pooling, and the request metrics. Its methods are the routes' dependencies."""
+    the worker that runs it, the admission counter, the server's metrics, the API key (None: open), and
+    for BERT the embeddings' pooling. Its methods are the routes' dependencies."""
 
     model: object
     tokenizer: object
     name: str
     worker: Worker
     admission: Admission
+    metrics: Metrics
     api_key: str | None = None
     pooling: Pooling = field(default_factory=Pooling)
-    metrics: Metrics = field(default_factory=Metrics)
-    started: float = field(default_factory=time.time)
 
     @property
     def family(self) -> str:

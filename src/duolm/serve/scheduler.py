@@ -14,6 +14,11 @@ cached positions sit in columns [L - n_j, L); the columns before them are paddin
 attention mask (the model counts positions over real tokens only). Each step writes column L for
 every row. A prompt longer than L joining shifts the block right; when the buffer is full, the
 columns that are padding in every row are dropped (the block shifts left).
+
+batch_invariant=True trades that sharing for bitwise reproducibility: each row keeps the 1-row cache of
+its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
+log-probabilities are the same bits whatever runs beside it, and in whatever order rows arrive. A step
+then costs one forward per row instead of one for the batch.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ from duolm.generation import next_token
 from duolm.models import KVCache
 
 log = logging.getLogger("duolm.serve")
+PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
 
 
 class Sink:
@@ -49,7 +55,8 @@ class Sink:
 @dataclass(eq=False)
 class Row:
     """One sequence to generate: `max_tokens` new tokens at most after `prompt` (token ids), drawn
-    as `next_token(logits, temperature, top_k, top_p, generator)` with a generator seeded by `seed`.
+    as `next_token(penalized(logits, ...), temperature, top_k, top_p, generator)` with a generator seeded
+    by `seed` (the penalties and logit_bias neutral: the logits themselves).
     logprobs: None, or how many alternatives to report with each token's log-probability.
     prompt_logprobs: report the prompt tokens' log-probabilities too (OpenAI's echo + logprobs)."""
 
@@ -59,27 +66,55 @@ class Row:
     top_k: int | None = None
     top_p: float | None = None
     seed: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict = field(default_factory=dict)       # token id -> added to its logit
     logprobs: int | None = None
     prompt_logprobs: bool = False
     sink: Sink = field(default_factory=Sink)
     cancelled: bool = False          # set from any thread; the row leaves at the next step
     finished: bool = False
     tokens: list = field(default_factory=list)
+    submitted: float = 0.0           # time.perf_counter() at submit()
+    times: list = field(default_factory=list)     # and when each token was drawn
     n: int = 0                       # positions of this row in the cache
     generator: torch.Generator | None = None
+    cache: KVCache | None = None     # batch_invariant: the row's own cache
 
 
-def logprob_info(logits: torch.Tensor, token: int, k: int):
-    """logits (V,) -> (log p(token), [(id, log p) of the k most likely ids, most likely first]),
-    log p from the raw logits (before temperature and filters).
+def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
+    """logits (N, V) and the N tokens that followed -> per token (log p(token), [(id, log p) of the k
+    most likely ids, most likely first]), log p from the raw logits (before penalties, temperature and
+    filters). The token's log p and the alternatives' come from one log-softmax: a token that is the most
+    likely has exactly the first alternative's value.
 
-    >>> logprob_info(torch.log(torch.tensor([0.5, 0.25, 0.25])), 1, 1)
-    (-1.3862943649291992, [(0, -0.6931471824645996)])
+    >>> logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1], 1)
+    [(-1.3862943649291992, [(0, -0.6931471824645996)])]
     """
     lp = logits.float().log_softmax(-1)
-    top = lp.topk(min(k, lp.shape[-1])) if k else None
-    alts = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
-    return float(lp[token]), alts
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    if not k:
+        return [(c, []) for c in chosen]
+    top = lp.topk(min(k, lp.shape[-1]))
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
+def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequency: float = 0.0,
+              bias: dict | None = None) -> torch.Tensor:
+    """OpenAI's presence / frequency penalties and logit_bias on the logits (1, V) of a row's next draw:
+    each token t drawn so far (`tokens`) loses frequency * count(t) + presence * [count(t) > 0], and
+    token t gains bias[t]. Neutral values return `logits` itself.
+
+    >>> penalized(torch.zeros(1, 4), [2, 2, 0], presence=0.5, frequency=1.0, bias={3: 5.0}).tolist()
+    [[-1.5, 0.0, -2.5, 5.0]]
+    """
+    if tokens and (presence or frequency):
+        counts = torch.bincount(torch.tensor(tokens, device=logits.device), minlength=logits.shape[-1]).to(logits)
+        logits = logits - frequency * counts - presence * (counts > 0).to(logits)
+    if bias:
+        ids = torch.tensor(list(bias), device=logits.device)
+        logits = logits.index_add(1, ids, torch.tensor([list(bias.values())], dtype=logits.dtype, device=logits.device))
+    return logits
 
 
 class Scheduler:
@@ -87,17 +122,20 @@ class Scheduler:
 
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
-    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2."""
+    in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2.
+    batch_invariant: decode every row alone (see the module's doc)."""
 
-    def __init__(self, model, max_batch: int = 16):
+    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
         self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
         w = model.wte.weight
         self.device = w.device
         self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
-        self.tokens_generated = 0
+        self.on_finish = on_finish       # on_finish(row, reason) when a row ends (the server's metrics)
+        self.prompt_tokens = self.tokens_generated = 0
         self.finish_reasons = collections.Counter()   # rows ended, by reason
         self.busy_s = 0.0                # time spent in step() with work to do
         self._waiting = collections.deque()
@@ -113,7 +151,8 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._rows)
+        """Rows in the batch that have not finished (a finished row leaves at the end of its step)."""
+        return sum(not r.finished for r in self._rows)
 
     @property
     def waiting(self) -> int:
@@ -121,11 +160,15 @@ class Scheduler:
 
     def stats(self) -> dict:
         """The decode loop's share of GET /metrics."""
-        return {"running": self.running, "queue_depth": self.waiting, "tokens_generated": self.tokens_generated,
+        return {"running": self.running, "queue_depth": self.waiting, "prompt_tokens": self.prompt_tokens,
+                "tokens_generated": self.tokens_generated,
                 "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
                 "finish_reasons": dict(self.finish_reasons)}
 
     def submit(self, rows) -> None:
+        now = time.perf_counter()
+        for row in rows:
+            row.submitted = now
         with self._cond:
             self._waiting.extend(rows)
             self._cond.notify()
@@ -179,6 +222,8 @@ class Scheduler:
         if not row.finished:
             row.finished = True
             self.finish_reasons[reason] += 1
+            if self.on_finish is not None:      # before the client hears of it: its metrics are complete
+                self.on_finish(row, reason)
             row.sink.done(reason)
 
     def _guard(self, rows, fn, *args):
@@ -213,17 +258,23 @@ class Scheduler:
             return
         cfg = self.model.config
         P = len(row.prompt)
-        cache = KVCache(cfg, 1, max_len=P, device=self.device, dtype=self.dtype)
+        room = min(cfg.block_size, P + max(row.max_tokens, 1) - 1) if self.batch_invariant else P
+        cache = KVCache(cfg, 1, max_len=room, device=self.device, dtype=self.dtype)
         idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
         h = self.model.hidden(idx, None, cache)
-        if row.prompt_logprobs:
-            logits = self.model.head(h[0, :-1]).float() if P > 1 else None
-            row.sink.prompt([None] + [logprob_info(logits[i], t, row.logprobs or 0)
-                                      for i, t in enumerate(row.prompt[1:])])
+        self.prompt_tokens += P
+        if row.prompt_logprobs:       # the output layer on PROMPT_ROWS positions at a time: (rows, V) floats
+            row.sink.prompt([None] + [info for i in range(0, P - 1, PROMPT_ROWS) for info in logprob_info(
+                self.model.head(h[0, i:min(i + PROMPT_ROWS, P - 1)]), row.prompt[i + 1:i + 1 + PROMPT_ROWS],
+                row.logprobs or 0)])
         if row.max_tokens == 0:
             self._finish(row, "length")
             return
         if not self._draw(row, self.model.head(h[:, -1]).float()):
+            return
+        if self.batch_invariant:
+            row.cache = cache
+            self._rows.append(row)
             return
         # into the batch: right-aligned at column L (shift the block right if the prompt is longer)
         if not self._rows:
@@ -240,9 +291,11 @@ class Scheduler:
 
     def _draw(self, row: Row, logits: torch.Tensor) -> bool:
         """Draw the row's next token from logits (1, V); False when the row has finished."""
-        t = int(next_token(logits, row.temperature, row.top_k, row.top_p, row.generator)[0])
-        info = None if row.logprobs is None else logprob_info(logits[0], t, row.logprobs)
+        adjusted = penalized(logits, row.tokens, row.presence_penalty, row.frequency_penalty, row.logit_bias)
+        t = int(next_token(adjusted, row.temperature, row.top_k, row.top_p, row.generator)[0])
+        info = None if row.logprobs is None else logprob_info(logits, [t], row.logprobs)[0]
         row.tokens.append(t)
+        row.times.append(time.perf_counter())
         self.tokens_generated += 1
         if row.sink.token(t, info):
             self._finish(row, "stop")
@@ -255,6 +308,23 @@ class Scheduler:
     # --- the batch ------------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        logits = self._step_alone() if self.batch_invariant else self._step_batch()
+        done = []
+        for j, row in enumerate(self._rows):
+            row.n += 1
+            if row.cancelled:
+                self._finish(row, "cancelled")
+            if row.finished or not self._draw(row, logits[j:j + 1]):
+                done.append(j)
+        self._leave(done)
+
+    def _step_alone(self) -> torch.Tensor:
+        """Logits (B, V) of the next token of every row, each row run alone in its own cache."""
+        return torch.cat([self.model.head(self.model.hidden(torch.tensor([[r.tokens[-1]]], device=self.device),
+                                                            None, r.cache)[:, -1]).float() for r in self._rows])
+
+    def _step_batch(self) -> torch.Tensor:
+        """Logits (B, V) of the next token of every row, in one forward over the batch cache."""
         B = len(self._rows)
         if self._L + 1 > self._cache.max_len:
             self._realign(max(r.n for r in self._rows))
@@ -267,20 +337,18 @@ class Scheduler:
         idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
         logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
         self._L = L + 1
-        done = []
-        for j, row in enumerate(self._rows):
-            row.n += 1
-            if row.cancelled:
-                self._finish(row, "cancelled")
-            if row.finished or not self._draw(row, logits[j:j + 1]):
-                done.append(j)
-        self._leave(done)
+        return logits
 
     def _leave(self, gone: list) -> None:
         """Remove the (finished) rows at slots `gone`; the rows after the new end move into the holes."""
         if not gone:
             return
         gone_set = set(gone)
+        if self.batch_invariant:         # no shared cache: the rows' own go with them
+            for j in gone:
+                self._rows[j].cache = None
+            self._rows = [r for j, r in enumerate(self._rows) if j not in gone_set]
+            return
         B = len(self._rows)
         keep = B - len(gone)
         holes = [j for j in range(keep) if j in gone_set]

@@ -7,6 +7,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Float = Annotated[float, Field(allow_inf_nan=False)]
+Penalty = Annotated[Float, Field(ge=-2, le=2)]
 Ids = list[int]
 # OpenAI's prompt / input shapes: a string, a list of strings, token ids, a list of token-id lists
 Texts = Union[str, list[str], Ids, list[Ids]]
@@ -29,21 +30,42 @@ class CompletionRequest(_Request):
     temperature: Annotated[Float, Field(ge=0)] | None = None              # None: 1
     top_p: Annotated[Float, Field(gt=0, le=1)] | None = None              # None: 1
     top_k: Annotated[int, Field(ge=1)] | None = None                      # extension
-    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
+    # OpenAI allows 4 stop strings; lm-evaluation-harness's tasks send up to 6 (their own and the end-of-text)
+    stop: str | Annotated[list[str], Field(max_length=16)] | None = None
     seed: Annotated[int, Field(ge=0, lt=2 ** 63)] | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
     echo: bool = False
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    presence_penalty: Penalty | None = None                      # None: 0
+    frequency_penalty: Penalty | None = None                     # None: 0
+    logit_bias: dict[str, Annotated[Float, Field(ge=-100, le=100)]] | None = None     # token id -> bias
+    # OpenAI's fields that duolm accepts only with their neutral value (completions.check_neutral)
+    best_of: Annotated[int, Field(ge=1)] | None = None           # = n
+    suffix: str | None = None                                    # "": GPT-2 does not insert text
     # extension: special tokens spelled in the prompt that become special ids (else they are text)
     allowed_special: Literal["all"] | list[str] = []
+
+
+class TokenizeRequest(_Request):
+    """vLLM's POST /tokenize (the completion form)."""
+    prompt: str
+    add_special_tokens: bool = True          # BERT: [CLS] ... [SEP] around the pieces; GPT-2 adds none
+    return_token_strs: bool = False
+    allowed_special: Literal["all"] | list[str] = []        # GPT-2, as in CompletionRequest
+
+
+class DetokenizeRequest(_Request):
+    tokens: Ids
 
 
 class EmbeddingRequest(_Request):
     input: Texts
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
+    # vLLM's: cut each input to this many tokens ([CLS] ... [SEP]); -1: to the model's limit; None: refuse longer
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
 
 
 class FillMaskRequest(_Request):

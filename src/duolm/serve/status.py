@@ -1,14 +1,15 @@
 """The routes every server answers, whatever its model: GET /health (open, for load balancers),
-GET /metrics (open while draining, to watch the drain) and GET /v1/models (OpenAI's model list: the
+GET /metrics (Prometheus' text format, or JSON; open while draining, to watch the drain) and GET /v1/models (OpenAI's model list: the
 one model's card)."""
 from __future__ import annotations
 
-import time
+from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from duolm.serve.deps import Served
+from duolm.serve.metrics import CONTENT_TYPE
 
 
 def router(s: Served) -> APIRouter:
@@ -22,15 +23,18 @@ def router(s: Served) -> APIRouter:
         return {"status": "ok"}
 
     @r.get("/metrics", dependencies=[Depends(s.authorized)])
-    async def metrics():
-        """Requests by route and status, latency percentiles, admission, the worker's stats."""
-        return {**s.metrics.report(), **s.admission.stats(), **s.worker.stats(), "uptime_s": time.time() - s.started}
+    async def metrics(format: Literal["prometheus", "json"] = "prometheus"):
+        """Prometheus' text format (vLLM's names where the quantity is vLLM's), or with ?format=json the
+        same for people: requests by route and status, latency percentiles, admission, the worker's stats."""
+        if format == "json":
+            return s.metrics.report()
+        return Response(s.metrics.text(), media_type=CONTENT_TYPE)
 
     @r.get("/v1/models", dependencies=[Depends(s.accepting), Depends(s.authorized)])
     async def models():
         """The served model's card: its id, family and context length; BERT's pooling; a
         fine-tuned head's kind, labels, task and max_length."""
-        card = {"id": s.name, "object": "model", "created": int(s.started), "owned_by": "duolm",
+        card = {"id": s.name, "object": "model", "created": int(s.metrics.started), "owned_by": "duolm",
                 "family": s.family, "context_length": s.model.config.block_size}
         if s.family == "bert":
             card["pooling"] = vars(s.pooling)
