@@ -1,12 +1,23 @@
 """duolm's GPT-2 and BERT against HF transformers: same config, same weights, same inputs, CPU.
 
-    .venv/bin/python benchmarks/models.py                 # all four cases, 5 rounds each
-    .venv/bin/python benchmarks/models.py --rounds 3 --cases gpt2-infer,bert-infer
-    .venv/bin/python benchmarks/models.py --pad-vocab 64  # our GPT-2 with its vocabulary padded
+    python benchmarks/models.py                       # all four cases in fp32, 5 rounds each
+    python benchmarks/models.py --precision bf16      # training under bf16 autocast, inference in bf16
+    python benchmarks/models.py --rounds 3 --cases gpt2-infer,bert-infer
 
 This machine's speed drifts (shared cores, up to 2x over tens of minutes), so only interleaved
-ratios mean anything: every round times one step of each side back to back, alternating which goes
-first, plus a fp32 matmul probe; we report medians over rounds. Threads: 2 (torch.set_num_threads).
+ratios mean anything: every round times one step of each side back to back, rotating which goes
+first, plus a matmul probe; we report medians over rounds. Threads: 2 (torch.set_num_threads).
+Prints the CPU, its bf16 support and the load average at the start.
+
+Sides, by --precision (each row names its precision):
+  fp32  training: duolm fp32 vs transformers fp32.
+        inference: duolm inside duolm.precision.Inference("fp32") (oneDNN on packed weights, the
+        path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear, MKL), transformers fp32.
+  bf16  training: duolm under duolm.precision.training("bf16", "cpu") vs transformers under
+        torch.autocast("cpu", dtype=torch.bfloat16) (the same autocast), and vs transformers fp32.
+        inference: duolm inside Inference("bf16") (bf16 weights, fp32 activations) vs transformers
+        under bf16 autocast, and vs transformers fp32.
+Ratios are duolm's tokens/s over each other side's, median of the rounds' ratios.
 
 Cases (tokens/s = batch * seq / step time):
   gpt2-train  GPT-2 124M, 4x256: forward, cross-entropy over all positions, backward, AdamW step
@@ -19,14 +30,16 @@ Cases (tokens/s = batch * seq / step time):
 Both sides use torch.optim.AdamW(fused=True), HF Trainer's default on torch >= 2.8, and the same
 loss code; HF models run with attn_implementation="sdpa" (their default and fastest here).
 
-Roofline: the probe times fp32 matmuls of the models' own shapes; "fraction" is our achieved
-FLOP/s over that, with FLOPs/token = 2 * (matmul weights) + attention (GPT-2: causal, 2*L*T*C;
-BERT: 4*L*T*C); training counts 3x the forward.
+Roofline: the probe times matmuls of the models' own shapes in the run's precision; "at N%" is duolm's
+achieved FLOP/s over that, with FLOPs/token = 2 * (matmul weights) + attention (GPT-2: causal,
+2*L*T*C; BERT: 4*L*T*C); training counts 3x the forward.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import statistics
 import sys
 import time
@@ -39,7 +52,8 @@ import torch
 import torch.nn.functional as F
 
 from duolm.convert import hf as conv
-from duolm.models import BertConfig, BertForPreTraining, GPT2, GPT2Config
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.precision import Inference, fp32_engine, machine, training
 
 try:
     import transformers
@@ -50,7 +64,26 @@ transformers.logging.set_verbosity_error()
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing helpers
+# Sides and timing
+
+def sides(precision: str, train: bool, ours, theirs) -> dict:
+    """{row name: step} for this precision; ours(ctx) / theirs(ctx) make a step run inside ctx().
+    The first row is duolm's, the one the ratios are of."""
+    plain = contextlib.nullcontext
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    if precision == "fp32" and train:
+        return {"duolm fp32": ours(plain), "transformers fp32": theirs(plain)}
+    if precision == "fp32":
+        engine = Inference("fp32")
+        return {f"duolm Inference(fp32) [{engine.engine}]": ours(lambda: engine), "duolm plain fp32 [mkl]": ours(plain),
+                "transformers fp32": theirs(plain)}
+    if train:
+        return {"duolm bf16 autocast": ours(lambda: training("bf16", "cpu")),
+                "transformers bf16 autocast": theirs(autocast), "transformers fp32": theirs(plain)}
+    engine = Inference("bf16")
+    return {"duolm Inference(bf16)": ours(lambda: engine), "transformers bf16 autocast": theirs(autocast),
+            "transformers fp32": theirs(plain)}
+
 
 def timed(fn) -> float:
     t0 = time.perf_counter()
@@ -58,9 +91,9 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def matmul_probe(shapes, reps=2) -> float:
-    """GFLOP/s of fp32 x @ w.T over the given (M, K, N) shapes (the models' own linears)."""
-    mats = [(torch.randn(m, k), torch.randn(n, k)) for m, k, n in shapes]
+def matmul_probe(shapes, dtype, reps=2) -> float:
+    """GFLOP/s of x @ w.T in `dtype` over the given (M, K, N) shapes (the models' own linears)."""
+    mats = [(torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)) for m, k, n in shapes]
     flops = sum(2 * m * k * n for m, k, n in shapes) * reps
     F.linear(*mats[0])
     t = timed(lambda: [F.linear(x, w) for _ in range(reps) for x, w in mats])
@@ -72,29 +105,33 @@ def aligned(n: int) -> int:
     return -(-n // 64) * 64
 
 
-def run_case(name, ours_step, theirs_step, tokens, flops_per_token, probe_shapes, rounds):
+def run_case(name, steps: dict, tokens, flops_per_token, probe_shapes, precision, rounds):
+    """Rounds of one step of every side, the order rotated each round; -> {other side: median ratio}."""
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     print(f"\n== {name}: {tokens} tokens/step, {flops_per_token / 1e6:.0f} MFLOP/token", flush=True)
-    ours_step(), theirs_step()                        # warm-up (allocator, MKL, lazy init)
-    rows = []
+    for step in steps.values():                                  # warm-up (allocator, packing, lazy init)
+        step()
+    names = list(steps)
+    rates = {k: [] for k in names}
+    probes = []
     for r in range(rounds):
-        before = matmul_probe(probe_shapes)
-        if r % 2 == 0:
-            a, b = timed(ours_step), timed(theirs_step)
-        else:
-            b, a = timed(theirs_step), timed(ours_step)
-        probe = (before + matmul_probe(probe_shapes)) / 2     # the machine's speed around this pair
-        rows.append((tokens / a, tokens / b, b / a, probe))
-        print(f"  round {r + 1}: ours {tokens / a:8.1f} tok/s  transformers {tokens / b:8.1f} tok/s  "
-              f"ratio {b / a:.3f}  matmul {probe:.1f} GFLOP/s", flush=True)
-    med = [statistics.median(col) for col in zip(*rows)]
-    frac = [row[0] * flops_per_token / 1e9 / row[3] for row in rows]
-    frac_hf = [row[1] * flops_per_token / 1e9 / row[3] for row in rows]
-    best = max(r[0] for r in rows) / max(r[1] for r in rows)
-    print(f"  median: ours {med[0]:.1f} tok/s, transformers {med[1]:.1f} tok/s, ratio {med[2]:.3f} "
-          f"(ratio of best steps {best:.3f}; rounds {min(r[2] for r in rows):.2f}..{max(r[2] for r in rows):.2f}); "
-          f"matmul {med[3]:.1f} GFLOP/s; ours at {statistics.median(frac):.0%} of it, "
-          f"transformers at {statistics.median(frac_hf):.0%}", flush=True)
-    return med[2], best
+        before = matmul_probe(probe_shapes, dtype)
+        order = names[r % len(names):] + names[:r % len(names)]
+        for k in order:
+            rates[k].append(tokens / timed(steps[k]))
+        probes.append((before + matmul_probe(probe_shapes, dtype)) / 2)   # the machine's speed around this round
+        print(f"  round {r + 1}: " + "  ".join(f"{k} {rates[k][-1]:.1f}" for k in names)
+              + f" tok/s; matmul {probes[-1]:.1f} GFLOP/s", flush=True)
+    ours = names[0]
+    ratios = {k: statistics.median(a / b for a, b in zip(rates[ours], rates[k])) for k in names[1:]}
+    frac = statistics.median(a * flops_per_token / 1e9 / p for a, p in zip(rates[ours], probes))
+    for k in names:
+        print(f"  median {k:<32} {statistics.median(rates[k]):8.1f} tok/s", flush=True)
+    print(f"  {precision} matmul probe {statistics.median(probes):.1f} GFLOP/s; {ours} at {frac:.0%} of it", flush=True)
+    for k, v in ratios.items():
+        spread = [a / b for a, b in zip(rates[ours], rates[k])]
+        print(f"  ratio {ours} / {k}: {v:.3f}x (rounds {min(spread):.2f}..{max(spread):.2f})", flush=True)
+    return {f"{ours} / {k}": v for k, v in ratios.items()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,11 +152,16 @@ def gpt2_flops(cfg: GPT2Config, T: int) -> int:
     return 2 * (L * 12 * C * C + cfg.vocab_size * C) + 2 * L * T * C
 
 
+def gpt2_probe(cfg: GPT2Config, M: int) -> list:
+    C = cfg.n_embd
+    return [(M, C, 3 * C), (M, C, 4 * C), (M, 4 * C, C), (M, C, aligned(cfg.vocab_size))]
+
+
 def lm_loss(logits, x):
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1))
 
 
-def case_gpt2_train(rounds):
+def case_gpt2_train(precision, rounds):
     cfg, ours, theirs = gpt2_pair()
     B, T = 4, 256
     x = torch.randint(0, cfg.vocab_size, (B, T + 1), generator=torch.Generator().manual_seed(1))
@@ -127,35 +169,41 @@ def case_gpt2_train(rounds):
     opt_t = torch.optim.AdamW(theirs.parameters(), lr=1e-5, fused=True)
     ours.train(), theirs.train()
 
-    def step(model, opt, logits_of):
-        loss = lm_loss(logits_of(model(x[:, :-1])), x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    def step(model, opt, logits_of, ctx):
+        def run():
+            with ctx():
+                loss = lm_loss(logits_of(model(x[:, :-1])), x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
 
-    C = cfg.n_embd
-    probe = [(B * T, C, 3 * C), (B * T, C, 4 * C), (B * T, 4 * C, C), (B * T, C, aligned(cfg.vocab_size))]
     return run_case(f"GPT-2 124M training step {B}x{T} (fwd+bwd+AdamW)",
-                    lambda: step(ours, opt_o, lambda o: o), lambda: step(theirs, opt_t, lambda o: o.logits),
-                    B * T, 3 * gpt2_flops(cfg, T), probe, rounds)
+                    sides(precision, True, lambda ctx: step(ours, opt_o, lambda o: o, ctx),
+                          lambda ctx: step(theirs, opt_t, lambda o: o.logits, ctx)),
+                    B * T, 3 * gpt2_flops(cfg, T), gpt2_probe(cfg, B * T), precision, rounds)
 
 
-def case_gpt2_infer(rounds):
+def case_gpt2_infer(precision, rounds):
     cfg, ours, theirs = gpt2_pair()
     B, T = 8, 256
     x = torch.randint(0, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
     ours.eval(), theirs.eval()
     with torch.inference_mode():
-        torch.testing.assert_close(ours(x[:1, :32]), theirs(x[:1, :32]).logits, atol=1e-4, rtol=0)
+        want = theirs(x[:1, :32]).logits
+        torch.testing.assert_close(ours(x[:1, :32]), want, atol=1e-4, rtol=0)
+        with Inference("fp32"):
+            torch.testing.assert_close(ours(x[:1, :32]), want, atol=1e-4, rtol=0)
 
-    def step(model):
-        with torch.inference_mode():
-            model(x)
+    def step(model, ctx):
+        def run():
+            with torch.inference_mode(), ctx():
+                model(x)
+        return run
 
-    C = cfg.n_embd
-    probe = [(B * T, C, 3 * C), (B * T, C, 4 * C), (B * T, 4 * C, C), (B * T, C, aligned(cfg.vocab_size))]
     return run_case(f"GPT-2 124M inference forward {B}x{T}",
-                    lambda: step(ours), lambda: step(theirs), B * T, gpt2_flops(cfg, T), probe, rounds)
+                    sides(precision, False, lambda ctx: step(ours, ctx), lambda ctx: step(theirs, ctx)),
+                    B * T, gpt2_flops(cfg, T), gpt2_probe(cfg, B * T), precision, rounds)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +225,7 @@ def bert_flops(cfg: BertConfig, T: int, mlm_tokens: float) -> int:
     return body + mlm_tokens * 2 * (C * C + cfg.vocab_size * C)
 
 
-def case_bert_train(rounds, masked_only):
+def case_bert_train(precision, rounds, masked_only):
     cfg, ours, theirs = bert_pair(dropout=0.1)
     B, T = 8, 128
     g = torch.Generator().manual_seed(3)
@@ -196,68 +244,81 @@ def case_bert_train(rounds, masked_only):
     def loss_of(mlm, nsp, y):
         return F.cross_entropy(mlm.reshape(-1, mlm.size(-1)), y.reshape(-1)) + F.cross_entropy(nsp, nsp_labels)
 
-    def ours_step():
+    def ours_loss():
         if masked_only:
             hidden, pooled = ours.bert(x, seg)
-            loss = loss_of(ours.mlm(hidden[sel]), ours.nsp(pooled), x[sel])
-        else:
-            loss = loss_of(*ours(x, seg), labels)
-        loss.backward()
-        opt_o.step()
-        opt_o.zero_grad(set_to_none=True)
+            return loss_of(ours.mlm(hidden[sel]), ours.nsp(pooled), x[sel])
+        return loss_of(*ours(x, seg), labels)
 
-    def theirs_step():
+    def theirs_loss():
         if masked_only:
             out = theirs.bert(x, token_type_ids=seg)
-            loss = loss_of(theirs.cls.predictions(out.last_hidden_state[sel]),
+            return loss_of(theirs.cls.predictions(out.last_hidden_state[sel]),
                            theirs.cls.seq_relationship(out.pooler_output), x[sel])
-        else:
-            out = theirs(x, token_type_ids=seg)
-            loss = loss_of(out.prediction_logits, out.seq_relationship_logits, labels)
-        loss.backward()
-        opt_t.step()
-        opt_t.zero_grad(set_to_none=True)
+        out = theirs(x, token_type_ids=seg)
+        return loss_of(out.prediction_logits, out.seq_relationship_logits, labels)
+
+    def step(loss_fn, opt, ctx):
+        def run():
+            with ctx():
+                loss = loss_fn()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return run
 
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, cfg.n_inner), (B * T, cfg.n_inner, C), (B * T, C, aligned(cfg.vocab_size))]
     mlm_tokens = chosen.float().mean().item() if masked_only else 1.0
     return run_case(f"BERT-base training step {B}x{T} (MLM {'at masked positions' if masked_only else 'at all positions'}"
-                    f" + NSP, fwd+bwd+AdamW, dropout 0.1)", ours_step, theirs_step, B * T,
-                    3 * bert_flops(cfg, T, mlm_tokens), probe, rounds)
+                    f" + NSP, fwd+bwd+AdamW, dropout 0.1)",
+                    sides(precision, True, lambda ctx: step(ours_loss, opt_o, ctx), lambda ctx: step(theirs_loss, opt_t, ctx)),
+                    B * T, 3 * bert_flops(cfg, T, mlm_tokens), probe, precision, rounds)
 
 
-def case_bert_infer(rounds):
+def case_bert_infer(precision, rounds):
     cfg, ours, theirs = bert_pair(dropout=0.1)
     ours, theirs = ours.bert.eval(), theirs.bert.eval()
     B, T = 32, 128
     x = torch.randint(1000, cfg.vocab_size, (B, T), generator=torch.Generator().manual_seed(4))
     with torch.inference_mode():
-        torch.testing.assert_close(ours(x[:1])[0], theirs(x[:1]).last_hidden_state, atol=1e-4, rtol=0)
+        want = theirs(x[:1]).last_hidden_state
+        torch.testing.assert_close(ours(x[:1])[0], want, atol=1e-4, rtol=0)
+        with Inference("fp32"):
+            torch.testing.assert_close(ours(x[:1])[0], want, atol=1e-4, rtol=0)
 
-    def step(model):
-        with torch.inference_mode():
-            model(x)
+    def step(model, ctx):
+        def run():
+            with torch.inference_mode(), ctx():
+                model(x)
+        return run
 
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, cfg.n_inner), (B * T, cfg.n_inner, C)]
-    return run_case(f"BERT-base encoder inference {B}x{T}", lambda: step(ours), lambda: step(theirs),
-                    B * T, bert_flops(cfg, T, 0), probe, rounds)
+    return run_case(f"BERT-base encoder inference {B}x{T}",
+                    sides(precision, False, lambda ctx: step(ours, ctx), lambda ctx: step(theirs, ctx)),
+                    B * T, bert_flops(cfg, T, 0), probe, precision, rounds)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="gpt2-train,gpt2-infer,bert-train,bert-infer")
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--mlm-masked-only", action="store_true")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    m = machine()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
+          f"{m['native_bf16']}, {m['threads']} threads; fp32 engine {fp32_engine()}; precision {args.precision}; "
+          f"load average at start {os.getloadavg()[0]:.2f}", flush=True)
+    p, r = args.precision, args.rounds
     cases = {
-        "gpt2-train": lambda: case_gpt2_train(args.rounds),
-        "gpt2-infer": lambda: case_gpt2_infer(args.rounds),
-        "bert-train": lambda: case_bert_train(args.rounds, args.mlm_masked_only),
-        "bert-infer": lambda: case_bert_infer(args.rounds),
+        "gpt2-train": lambda: case_gpt2_train(p, r),
+        "gpt2-infer": lambda: case_gpt2_infer(p, r),
+        "bert-train": lambda: case_bert_train(p, r, args.mlm_masked_only),
+        "bert-infer": lambda: case_bert_infer(p, r),
     }
     results = {}
     for name in args.cases.split(","):
@@ -265,9 +326,11 @@ def main():
             raise SystemExit(f"unknown case {name!r}; choose from {', '.join(cases)}")
         results[name] = cases[name]()
         gc.collect()
-    print("\nsummary: ours / transformers tokens/s (median of interleaved rounds; ratio of best steps)")
-    for name, (ratio, best) in results.items():
-        print(f"  {name:11s} {ratio:.3f}x  ({best:.3f}x)")
+    print(f"\nsummary ({args.precision}): duolm's tokens/s over the other side's (median of interleaved rounds)")
+    for name, ratios in results.items():
+        for k, v in ratios.items():
+            print(f"  {name:11s} {k:<62} {v:.3f}x")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
