@@ -6,9 +6,14 @@ DataCollatorWithPadding), the same model, examples and hyperparameters (AdamW lr
 warmup then linear decay, weight decay 0.01, max length 128, one epoch, the dev set scored and a
 checkpoint written once at the end of the epoch). Examples/s = training examples / wall time of the
 call, from the moment the data is tokenized (both tokenize beforehand, untimed).
-Prediction: `duolm.train.finetune.predict` against `pipeline("text-classification")` on the exported
-model, both with batches of 32 (the pipeline's default of 1 is also shown).
-The two sides alternate (ours, theirs, ours, theirs, ...); the ratio is of the medians.
+--precision of fine-tuning, the same on both sides: fp32 (duolm's loop precision "fp32"; Trainer's
+default) or bf16 (duolm's loop precision "bf16": bf16 autocast, fp32 weights and optimizer state;
+Trainer(bf16=True), which autocasts the same way on CPU).
+Prediction, always fp32: `duolm.tasks.predict` inside duolm.precision.Inference("fp32") (what
+`duolm predict` runs on CPU) against `pipeline("text-classification")` on the exported model, both
+with batches of 32 (the pipeline's default of 1 is also shown).
+The two sides alternate (ours, theirs, ours, theirs, ...); the ratio is of the medians. Prints the
+CPU, its bf16 support and the load average at the start.
 
 NER (--tasks ner): the same on CoNLL-2003 sentences (eng.train / eng.testa) with
 DataCollatorForTokenClassification on transformers' side, and entity prediction against
@@ -20,13 +25,15 @@ up and answers when told, so that the rounds still alternate. Both read the same
 starts 128 apart: the pipeline's doc_stride is their overlap, set per question), with answers of at most
 30 pieces; MiniLM with a seeded span layer (untrained: the work is the same).
 
-    .venv/bin/python benchmarks/finetune.py                      # 1024 SST-2 rows, 2 rounds
+    .venv/bin/python benchmarks/finetune.py                      # 1024 SST-2 rows, 2 rounds, fp32
+    .venv/bin/python benchmarks/finetune.py --precision bf16     # fine-tuning under bf16 autocast
     .venv/bin/python benchmarks/finetune.py --tasks sst2 ner --train 4096 --rounds 3
     .venv/bin/python benchmarks/finetune.py --tasks squad --questions 200
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -45,6 +52,7 @@ import torch
 
 from duolm.checkpoint import load, save
 from duolm.models.heads import HeadConfig, attach_head
+from duolm.precision import Inference, machine
 from duolm.tasks import Files, TaskOptions, load_finetuned, predict
 from duolm.tasks.sentence import load_glue
 from duolm.tasks.span import read_squad
@@ -53,12 +61,25 @@ from duolm.train.finetune import FINETUNE_LOOP, FinetuneConfig, finetune
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 QA_REFERENCE = Path(sys.prefix) / "qa-reference"
 RECIPE = dict(lr=2e-5, batch_size=32, epochs=1, warmup=0.1, weight_decay=0.01, max_length=128)
+NER_LR = 5e-5
 
 
-def recipe(lr=RECIPE["lr"]) -> FinetuneConfig:
-    loop = replace(FINETUNE_LOOP, batch_size=RECIPE["batch_size"], weight_decay=RECIPE["weight_decay"])
+def recipe(lr: float, precision: str) -> FinetuneConfig:
+    loop = replace(FINETUNE_LOOP, batch_size=RECIPE["batch_size"], weight_decay=RECIPE["weight_decay"],
+                   precision=precision)
     return FinetuneConfig(loop=loop, inputs=TaskOptions(max_length=RECIPE["max_length"]), lr=lr,
                           epochs=RECIPE["epochs"], warmup=RECIPE["warmup"])
+
+
+def trainer_args(run_dir, lr: float, precision: str):
+    """Trainer's arguments for the same recipe; bf16=True autocasts the forward to bf16 on CPU."""
+    import transformers
+
+    return transformers.TrainingArguments(
+        output_dir=str(run_dir), per_device_train_batch_size=RECIPE["batch_size"], per_device_eval_batch_size=64,
+        learning_rate=lr, num_train_epochs=RECIPE["epochs"], warmup_steps=RECIPE["warmup"],
+        weight_decay=RECIPE["weight_decay"], adam_epsilon=1e-6, max_grad_norm=1.0, bf16=precision == "bf16",
+        eval_strategy="epoch", save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
 
 
 def minilm_dir() -> Path:
@@ -75,15 +96,15 @@ def write_task(rows, folder: Path, n_train: int, n_dev: int) -> Path:
     return folder
 
 
-def ours_finetune(model_dir, task_dir, run_dir) -> float:
+def ours_finetune(model_dir, task, task_dir, run_dir, lr, precision) -> float:
     t = {}
-    finetune(model_dir, "sst2", run_dir, recipe(), Files(data=task_dir), device="cpu",
+    finetune(model_dir, task, run_dir, recipe(lr, precision), Files(data=task_dir), device="cpu",
              on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
     t0, n = t["start"]
     return n / (time.perf_counter() - t0)
 
 
-def theirs_finetune(model_dir, task_dir, run_dir) -> float:
+def theirs_finetune(model_dir, task_dir, run_dir, precision) -> float:
     import transformers
 
     tok = transformers.BertTokenizerFast.from_pretrained(model_dir)
@@ -95,11 +116,8 @@ def theirs_finetune(model_dir, task_dir, run_dir) -> float:
                 for i, s, m, e in zip(enc["input_ids"], enc["token_type_ids"], enc["attention_mask"], examples)]
 
     model = transformers.BertForSequenceClassification.from_pretrained(model_dir, num_labels=2)
-    args = transformers.TrainingArguments(
-        output_dir=str(run_dir), per_device_train_batch_size=32, per_device_eval_batch_size=64, learning_rate=2e-5,
-        num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
-        eval_strategy="epoch", save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=encoded(data.train),
+    trainer = transformers.Trainer(model=model, args=trainer_args(run_dir, RECIPE["lr"], precision),
+                                   train_dataset=encoded(data.train),
                                    eval_dataset=encoded(data.dev[""]),
                                    data_collator=transformers.DataCollatorWithPadding(tok))
     t0 = time.perf_counter()
@@ -118,16 +136,7 @@ def write_conll(folder: Path, n_train: int, n_dev: int) -> Path:
     return folder
 
 
-def ours_ner(model_dir, task_dir, run_dir) -> float:
-    t = {}
-    finetune(model_dir, "conll2003", run_dir, recipe(5e-5), Files(data=task_dir),
-             device="cpu",
-             on_start=lambda info: t.setdefault("start", (time.perf_counter(), info["train"])))
-    t0, n = t["start"]
-    return n / (time.perf_counter() - t0)
-
-
-def theirs_ner(model_dir, task_dir, run_dir) -> float:
+def theirs_ner(model_dir, task_dir, run_dir, precision) -> float:
     import transformers
     from duolm.tasks.tagging import read_conll
 
@@ -145,11 +154,8 @@ def theirs_ner(model_dir, task_dir, run_dir) -> float:
         return rows
 
     model = transformers.BertForTokenClassification.from_pretrained(model_dir, num_labels=len(labels))
-    args = transformers.TrainingArguments(
-        output_dir=str(run_dir), per_device_train_batch_size=32, per_device_eval_batch_size=64, learning_rate=5e-5,
-        num_train_epochs=1, warmup_steps=0.1, weight_decay=0.01, adam_epsilon=1e-6, max_grad_norm=1.0,
-        eval_strategy="epoch", save_strategy="epoch", report_to=[], use_cpu=True, disable_tqdm=True, seed=0)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=encoded(train), eval_dataset=encoded(dev),
+    trainer = transformers.Trainer(model=model, args=trainer_args(run_dir, NER_LR, precision),
+                                   train_dataset=encoded(train), eval_dataset=encoded(dev),
                                    data_collator=transformers.DataCollatorForTokenClassification(tok))
     t0 = time.perf_counter()
     trainer.train()
@@ -170,9 +176,10 @@ def bench_ner(args, mdir, tmp: Path):
     import transformers
 
     task = write_conll(tmp / "conll", args.train, args.dev)
-    interleaved("NER fine-tuning", lambda r: ours_ner(mdir, task, tmp / f"ner-ours{r}"),
-                lambda r: theirs_ner(mdir, task, tmp / f"ner-theirs{r}"), args.rounds,
-                f"{args.train} sentences vs Trainer")
+    interleaved("NER fine-tuning", lambda r: ours_finetune(mdir, "conll2003", task, tmp / f"ner-ours{r}", NER_LR,
+                                                           args.precision),
+                lambda r: theirs_ner(mdir, task, tmp / f"ner-theirs{r}", args.precision), args.rounds,
+                f"{args.train} sentences, {args.precision}, vs Trainer{trainer_flag(args.precision)}")
     model, tok = load_finetuned(tmp / "ner-ours0")
     pipe = transformers.pipeline("token-classification", model=str(save(model, tmp / "ner-hf", tokenizer=tok, format="hf")),
                                  aggregation_strategy="first", device="cpu")
@@ -183,9 +190,9 @@ def bench_ner(args, mdir, tmp: Path):
         t0 = time.perf_counter()
         fn()
         return len(texts) / (time.perf_counter() - t0)
-    interleaved("NER prediction", lambda r: timed(lambda: predict(model, tok, texts, batch_size=32)),
+    interleaved("NER prediction", lambda r: timed(lambda: fp32_predict(model, tok, texts)),
                 lambda r: timed(lambda: pipe(texts, batch_size=32)), args.rounds,
-                f"{len(texts)} sentences vs pipeline(batch 32)")
+                f"{len(texts)} sentences, fp32, vs pipeline(batch 32)")
 
 
 # transformers 4's question-answering pipeline, up until its stdin closes: each line "BATCH_SIZE" answers all
@@ -234,11 +241,11 @@ def bench_squad(args, mdir, tmp: Path):
 
         def ours():
             t0 = time.perf_counter()
-            predict(model, tok, pairs, batch_size=32)
+            fp32_predict(model, tok, pairs)
             return len(pairs) / (time.perf_counter() - t0)
         for b in (32, 1):
             interleaved("SQuAD answering", lambda r: ours(), lambda r: theirs(b), args.rounds,
-                        f"{len(pairs)} questions vs transformers {version} pipeline(batch {b})")
+                        f"{len(pairs)} questions, fp32, vs transformers {version} pipeline(batch {b})")
         worker.stdin.close()
 
 
@@ -250,11 +257,14 @@ def main():
     ap.add_argument("--questions", type=int, default=512, help="SQuAD questions to answer")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner", "squad"])
+    ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="of fine-tuning, on both sides")
     args = ap.parse_args()
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"CPU fp32; all-MiniLM-L6-v2")
+    m = machine()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
+          f"{m['native_bf16']}, {m['threads']} threads; fine-tuning in {args.precision}, prediction in fp32; "
+          f"all-MiniLM-L6-v2; load average at start {os.getloadavg()[0]:.2f}", flush=True)
     mdir = minilm_dir()
     with tempfile.TemporaryDirectory() as tmp:
         if "ner" in args.tasks:
@@ -263,6 +273,22 @@ def main():
             bench_squad(args, mdir, Path(tmp))
         if "sst2" in args.tasks:
             bench_sst2(args, mdir, Path(tmp))
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+def trainer_flag(precision: str) -> str:
+    return "(bf16=True)" if precision == "bf16" else ""
+
+
+@functools.cache
+def fp32_mode() -> Inference:
+    return Inference("fp32")            # one for the run: it keeps the packed weights between calls
+
+
+def fp32_predict(model, tok, inputs):
+    """What `duolm predict` runs on CPU: fp32 through oneDNN where it is the faster engine."""
+    with fp32_mode():
+        return predict(model, tok, inputs, batch_size=32)
 
 
 def bench_sst2(args, mdir, tmp: Path):
@@ -270,9 +296,10 @@ def bench_sst2(args, mdir, tmp: Path):
 
     rows = load_glue("sst2", DATA / "glue" / "SST-2", splits=("train",)).train
     task = write_task(rows, tmp / "SST-2", args.train, args.dev)
-    interleaved("SST-2 fine-tuning", lambda r: ours_finetune(mdir, task, tmp / f"ours{r}"),
-                lambda r: theirs_finetune(mdir, task, tmp / f"theirs{r}"), args.rounds,
-                f"{args.train} examples vs Trainer")
+    interleaved("SST-2 fine-tuning", lambda r: ours_finetune(mdir, "sst2", task, tmp / f"ours{r}", RECIPE["lr"],
+                                                             args.precision),
+                lambda r: theirs_finetune(mdir, task, tmp / f"theirs{r}", args.precision), args.rounds,
+                f"{args.train} examples, {args.precision}, vs Trainer{trainer_flag(args.precision)}")
     model, tok = load_finetuned(tmp / "ours0")
     pipe = transformers.pipeline("text-classification", model=str(save(model, tmp / "hf", tokenizer=tok, format="hf")),
                                  device="cpu")
@@ -282,13 +309,13 @@ def bench_sst2(args, mdir, tmp: Path):
         t0 = time.perf_counter()
         fn()
         return n / (time.perf_counter() - t0)
-    interleaved("SST-2 prediction", lambda r: timed(lambda: predict(model, tok, texts, batch_size=32)),
+    interleaved("SST-2 prediction", lambda r: timed(lambda: fp32_predict(model, tok, texts)),
                 lambda r: timed(lambda: pipe(texts, batch_size=32, truncation=True, max_length=128)), args.rounds,
-                f"{len(texts)} sentences vs pipeline(batch 32)")
+                f"{len(texts)} sentences, fp32, vs pipeline(batch 32)")
     few = texts[:256]
-    interleaved("SST-2 prediction", lambda r: timed(lambda: predict(model, tok, few, batch_size=32), len(few)),
+    interleaved("SST-2 prediction", lambda r: timed(lambda: fp32_predict(model, tok, few), len(few)),
                 lambda r: timed(lambda: pipe(few, truncation=True, max_length=128), len(few)), args.rounds,
-                f"{len(few)} sentences vs pipeline(default: one at a time)")
+                f"{len(few)} sentences, fp32, vs pipeline(default: one at a time)")
 
 
 if __name__ == "__main__":
