@@ -1175,3 +1175,31 @@ def test_text_stream_is_the_reference_for_stop_strings():
     # the rule library_completion() applies (cut before the first stop string) is TextStream's
     s = TextStream(["ab"])
     assert s.feed(b"xa") == "x" and s.feed(b"b!") == "" and s.stopped
+
+
+# ---------------------------------------------------------------------------------------------
+# --precision: the worker thread's matmuls
+
+def test_precision_runs_in_the_worker_thread(gpt2):
+    """The served prompt log-probabilities under --precision fp32 (oneDNN) equal the library's under the same
+    Inference mode and are within rounding of plain F.linear; int8 moves them measurably, and still gives a
+    full answer."""
+    from duolm.precision import Inference
+
+    model, tok = gpt2
+    ids = tok.encode("The quick brown fox jumps over the lazy dog because it was")
+    body = dict(prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    served = {}
+    for precision in ("fp32", "int8"):
+        with TestClient(create_app(model, tok, ServeConfig(precision=precision))) as c:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            served[precision] = torch.tensor(r.json()["choices"][0]["logprobs"]["token_logprobs"][1:len(ids)])
+    with torch.no_grad():
+        plain = model(torch.tensor([ids]))[0].log_softmax(-1)
+        with Inference("fp32"):
+            fast = model(torch.tensor([ids]))[0].log_softmax(-1)
+    want = lambda lp: lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]     # noqa: E731
+    torch.testing.assert_close(served["fp32"], want(fast), atol=1e-6, rtol=0)
+    torch.testing.assert_close(served["fp32"], want(plain), atol=1e-4, rtol=0)
+    assert 1e-4 < (served["int8"] - served["fp32"]).abs().max() < 0.5

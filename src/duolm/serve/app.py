@@ -13,6 +13,7 @@ Retry-After. Inside: a bad field 400 naming it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from contextlib import asynccontextmanager
 
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from duolm.models import GPT2
+from duolm.precision import inference
 from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
@@ -33,15 +35,19 @@ from duolm.serve.schemas import APIError
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
     in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
-    max_body_bytes, batch_window_s, batch_invariant). pooling: how BERT embeddings are pooled (encoders.read_pooling;
+    max_body_bytes, batch_window_s, batch_invariant, precision: the worker thread's duolm.precision.Inference).
+    pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
     if opts.max_concurrency < 1 or opts.max_queue < 0:
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
     name = opts.model_name or "duolm"
     metrics = Metrics(name)
-    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant) if isinstance(model, GPT2)
-              else EncoderWorker(opts.batch_window_s))
+    # entered by the worker thread, made once; "auto" keeps plain F.linear for now (the answers the library gives
+    # outside a mode, bit for bit), --precision fp32 the same numbers through oneDNN
+    kernels = contextlib.nullcontext() if opts.precision == "auto" else inference(opts.precision, opts.device)
+    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant, kernels)
+              if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s, kernels))
     admission = Admission(opts.max_concurrency + opts.max_queue)
     metrics.watch(admission.stats, worker.stats)
     s = Served(model, tokenizer, name, worker, admission, metrics, opts.api_key, pooling or Pooling())
