@@ -8,8 +8,9 @@
     WikiText-2 *valid* (this machine has no WikiText-2 train) tokenized by a byte-level BPE trained by
     ByteLevelBPE.train on that text and prepared by duolm.data.prepare; a few minutes. Then, on WikiText-2
     *test*: perplexity over windows of the model's block size in plain fp32 and inside Inference("fp32" /
-    "int8" / "bf16") (target: int8 within 1% of fp32), and greedy agreement: 64 new tokens after 32-token
-    prompts from 16 test paragraphs, the share of positions equal to fp32's (target >= 90%).
+    "int8" / "bf16") (target: int8 within 1% of fp32) and the share of test positions whose most likely next
+    token is fp32's; greedy agreement: 64 new tokens after 32-token prompts from 16 test paragraphs, the share
+    of positions equal to fp32's (target >= 90%; after a first different token the texts part ways).
 (c) Fine-tuning (--skip-finetune skips it): MiniLM on MRPC, the full train.tsv with its last 10% held out
     as dev (dev_fraction 0.1; GLUE's dev set is not on this machine), 2 epochs, lr 5e-5, batch 32, seed 0,
     duolm.train.finetune.finetune in loop precision fp32 and bf16: dev accuracy and F1 of each (target: bf16
@@ -113,14 +114,17 @@ def small_gpt2(tmp: Path, steps: int, vocab: int):
     return model, tok
 
 
-def perplexity(model, ids: torch.Tensor, T: int) -> float:
+def perplexity(model, ids: torch.Tensor, T: int) -> tuple[float, torch.Tensor]:
+    """-> (perplexity over windows of T, the most likely next token at every position)."""
     x = ids[: (len(ids) - 1) // T * T + 1]
     inputs, targets = x[:-1].view(-1, T), x[1:].view(-1, T)
-    nll = 0.0
+    nll, top1 = 0.0, []
     with torch.inference_mode():
         for i, t in zip(inputs.split(32), targets.split(32)):
-            nll += F.cross_entropy(model(i).flatten(0, 1), t.flatten(), reduction="sum").item()
-    return math.exp(nll / targets.numel())
+            logits = model(i).flatten(0, 1)
+            nll += F.cross_entropy(logits, t.flatten(), reduction="sum").item()
+            top1.append(logits.argmax(-1))
+    return math.exp(nll / targets.numel()), torch.cat(top1)
 
 
 def prompts_from(test: str, tok, n: int, length: int) -> list:
@@ -138,17 +142,18 @@ def language_model(tmp: Path, steps: int, vocab: int):
     prompts = prompts_from(test, tok, 16, 32)
     print(f"  WikiText-2 test: {len(ids):,} tokens, perplexity over windows of {T}; greedy: {len(prompts)} prompts "
           f"of 32 tokens, 64 new", flush=True)
-    ppl, greedy = {}, {}
+    ppl, top1, greedy = {}, {}, {}
     for name, mode in modes().items():
         with mode:
-            ppl[name] = perplexity(model, ids, T)
+            ppl[name], top1[name] = perplexity(model, ids, T)
             with torch.inference_mode():
                 greedy[name] = [list(step) for step in generate(model, prompts, 64, temperature=0)]
         same = sum(a == b for x, y in zip(greedy[name], greedy["plain fp32"]) for a, b in zip(x, y))
         whole = sum(x == y for x, y in zip(zip(*greedy[name]), zip(*greedy["plain fp32"])))
-        print(f"  {name:<16} perplexity {ppl[name]:8.3f} ({100 * (ppl[name] / ppl['plain fp32'] - 1):+.3f}% vs fp32); "
-              f"greedy tokens equal to fp32's {100 * same / (64 * len(prompts)):.1f}%, "
-              f"prompts with all 64 equal {whole}/{len(prompts)}", flush=True)
+        agree = (top1[name] == top1["plain fp32"]).float().mean().item()
+        print(f"  {name:<16} perplexity {ppl[name]:8.3f} ({100 * (ppl[name] / ppl['plain fp32'] - 1):+.3f}% vs fp32), "
+              f"next-token argmax as fp32's at {100 * agree:.2f}% of test positions; greedy: tokens equal to fp32's "
+              f"{100 * same / (64 * len(prompts)):.1f}%, prompts with all 64 equal {whole}/{len(prompts)}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -166,7 +171,8 @@ def mrpc(tmp: Path):
                        device="cpu")
         wall = time.perf_counter() - t0
         m = results[precision] = out["result"]
-        print(f"  {precision}: dev accuracy {100 * m['accuracy']:.2f}, F1 {100 * m['f1']:.2f} (best epoch "
+        print(f"  {out['precision']}: dev accuracy {100 * m['accuracy']:.2f}, F1 {100 * m['f1']:.2f}, "
+              f"loss {m['loss']:.4f} (best epoch "
               f"{out['best']['epoch']:g}); {out['train']} training examples, wall {wall:.0f} s "
               f"(2 epochs: {2 * out['train'] / wall:.1f} ex/s, validation included); load average at its start {load_start:.2f}", flush=True)
     d = {k: 100 * (results["bf16"][k] - results["fp32"][k]) for k in ("accuracy", "f1")}
