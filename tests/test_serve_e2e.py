@@ -134,6 +134,27 @@ def test_openai_client_completions_equal_library(gpt2_server, gpt2, gpt2_dir):
     assert again.choices[0].text == plain.choices[0].text != other.choices[0].text
 
 
+def test_openai_client_and_a_raw_body_with_every_neutral_field(gpt2_server, gpt2, gpt2_dir):
+    """What LangChain-style wrappers send: every field of OpenAI's completions API, the unimplemented ones at
+    their neutral values. The answer is the library's, as without them."""
+    model, tok = gpt2
+    name = gpt2_dir.name
+    want = library_completion(model, tok, "The neutral fields", 12, 5, 0.8, None, 0.9)
+    got = _client(gpt2_server).completions.create(
+        model=name, prompt="The neutral fields", max_tokens=12, seed=5, temperature=0.8, top_p=0.9, best_of=1,
+        frequency_penalty=0, presence_penalty=0, logit_bias={}, suffix=None, logprobs=None, user="someone", echo=False,
+        n=1, stream=False, stop=None)
+    assert (got.choices[0].text, got.choices[0].finish_reason) == want
+    body = {"model": name, "prompt": "The neutral fields", "max_tokens": 12, "seed": 5, "temperature": 0.8,
+            "top_p": 0.9, "best_of": 1, "echo": False, "frequency_penalty": 0, "presence_penalty": 0,
+            "logit_bias": {}, "logprobs": None, "n": 1, "stop": None, "stream": False, "stream_options": None,
+            "suffix": None, "user": "someone"}
+    r = httpx.post(gpt2_server + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200 and (r.json()["choices"][0]["text"], r.json()["choices"][0]["finish_reason"]) == want
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        _client(gpt2_server).completions.create(model=name, prompt="x", best_of=3)
+
+
 def test_openai_client_errors_are_exceptions_with_the_message(gpt2_server):
     client = _client(gpt2_server)
     with pytest.raises(openai.BadRequestError, match="top_p"):

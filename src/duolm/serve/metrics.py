@@ -77,11 +77,12 @@ class Metrics:
                                      registry=r)
         self.http_seconds = Histogram("http_request_duration_seconds", "HTTP request latency (to the last byte)",
                                       ["handler"], buckets=BUCKETS, registry=r)
-        seconds = {name: Histogram(name, text, ["model_name"], buckets=BUCKETS, registry=r).labels(model_name)
-                   for name, text in (("vllm:time_to_first_token_seconds", "From submission to the first token"),
-                                      ("vllm:inter_token_latency_seconds", "Between two tokens of a sequence"),
-                                      ("vllm:e2e_request_latency_seconds", "From submission to the end of a sequence"))}
-        self.ttft, self.itl, self.e2e = seconds.values()
+
+        def latency(name, text):
+            return Histogram(name, text, ["model_name"], buckets=BUCKETS, registry=r).labels(model_name)
+        self.ttft = latency("vllm:time_to_first_token_seconds", "From submission to the first token")
+        self.itl = latency("vllm:inter_token_latency_seconds", "Between two tokens of a sequence")
+        self.e2e = latency("vllm:e2e_request_latency_seconds", "From submission to the end of a sequence")
         r.register(_Collector(self._stats_families))
 
     def watch(self, *stats) -> None:

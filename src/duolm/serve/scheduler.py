@@ -268,10 +268,8 @@ class Scheduler:
         idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
         h = self.model.hidden(idx, None, cache)
         self.prompt_tokens += P
-        if row.prompt_logprobs:       # the output layer on PROMPT_ROWS positions at a time: (rows, V) floats
-            row.sink.prompt([None] + [info for i in range(0, P - 1, PROMPT_ROWS) for info in logprob_info(
-                self.model.head(h[0, i:min(i + PROMPT_ROWS, P - 1)]), row.prompt[i + 1:i + 1 + PROMPT_ROWS],
-                row.logprobs or 0)])
+        if row.prompt_logprobs:
+            row.sink.prompt(self._prompt_logprobs(h[0], row))
         if row.max_tokens == 0:
             self._finish(row, "length")
             return
@@ -293,6 +291,15 @@ class Scheduler:
         self._mask[j, L - P:L] = 1
         row.n = P
         self._rows.append(row)
+
+    def _prompt_logprobs(self, h: torch.Tensor, row: Row) -> list:
+        """None for the first prompt token, then logprob_info of each from the states h (P, C) before it; the
+        output layer runs on PROMPT_ROWS positions at a time ((rows, V) floats, not (P, V))."""
+        out, n = [None], len(row.prompt) - 1
+        for i in range(0, n, PROMPT_ROWS):
+            j = min(i + PROMPT_ROWS, n)
+            out += logprob_info(self.model.head(h[i:j]), row.prompt[i + 1:j + 1], row.logprobs or 0)
+        return out
 
     def _draw(self, row: Row, logits: torch.Tensor) -> bool:
         """Draw the row's next token from logits (1, V); False when the row has finished."""
