@@ -15,6 +15,7 @@ from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.precision import Inference, choose, inference, int8_rows, native_bf16, training
+from test_generation import _collect
 
 
 def _gpt2():
@@ -29,15 +30,6 @@ def _gpt2():
 def _bert():
     torch.manual_seed(0)
     return Bert(BertConfig(vocab_size=120, block_size=40, n_layer=2, n_head=2, n_embd=32, n_inner=64)).eval()
-
-
-def _collect(gen, n):
-    out = [[] for _ in range(n)]
-    for step in gen:
-        for i, t in enumerate(step):
-            if t is not None:
-                out[i].append(t)
-    return out
 
 
 def test_native_bf16_reads_what_the_cpu_reports():

@@ -126,8 +126,7 @@ def _left_pad(prompts, device):
 
 def _model_device_dtype(model):
     w = model.wte.weight
-    dtype = w.dtype if w.dtype.is_floating_point else torch.float32
-    return w.device, getattr(model, "cache_dtype", dtype)
+    return w.device, w.dtype
 
 
 def _new_cache(model, batch_size, max_len, device, dtype):

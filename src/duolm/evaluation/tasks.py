@@ -241,7 +241,7 @@ def score_continuations(model, prefix: list[int], conts: list[list[int]]) -> lis
     prefix = prefix[-(block + 1 - longest):]
     w = model.wte.weight
     cache = KVCache(model.config, 1, max_len=len(prefix) + longest - 1, device=w.device,
-                    dtype=getattr(model, "cache_dtype", w.dtype))
+                    dtype=w.dtype)
     J = len(conts)
     with torch.inference_mode():
         h = model.hidden(torch.tensor([prefix], device=w.device), cache=cache)

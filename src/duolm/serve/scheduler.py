@@ -137,7 +137,7 @@ class Scheduler:
         self.context = context
         w = model.wte.weight
         self.device = w.device
-        self.dtype = getattr(model, "cache_dtype", w.dtype if w.dtype.is_floating_point else torch.float32)
+        self.dtype = w.dtype
         self.on_finish = on_finish       # on_finish(row, reason) when a row ends (the server's metrics)
         self.prompt_tokens = self.tokens_generated = 0
         self.finish_reasons = collections.Counter()   # rows ended, by reason
