@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 QA_REFERENCE := $(VENV)/qa-reference
 QA_PINS := transformers==4.57.3 tokenizers==0.22.1 huggingface_hub==0.36.0
 
-.PHONY: test install bench demo clean
+.PHONY: test install bench results demo clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,11 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/tf_checkpoint.py
 	$(BIN)/python benchmarks/eval.py
 	$(BIN)/python benchmarks/serve.py --threads 1
+
+# the README's fine-tuning results: every task's runs (resumable), then the table from results/
+results: $(STAMP)
+	$(BIN)/python benchmarks/results.py --resume
+	$(BIN)/python benchmarks/results.py --write
 
 # the demo needs only duolm and its picture/TensorBoard extras, not the test references
 DEMO_STAMP := $(VENV)/.demo

@@ -133,12 +133,12 @@ def _clean(metrics: dict) -> dict:
     return {k: v for k, v in metrics.items() if not k.endswith("loss") and k != "null_threshold"}
 
 
-def run_task(key: str, spec: Spec, runs: Path, resume: bool, reference: bool, log) -> dict:
+def run_task(key: str, spec: Spec, runs: Path, results: Path, resume: bool, reference: bool, log) -> dict:
     """The grid on seed 0, the other seeds at the chosen rate, the reference; results/key.json after each."""
     from duolm.precision import choose, machine
     from duolm.train.finetune import summarize
 
-    path = RESULTS / f"{key}.json"
+    path = results / f"{key}.json"
     rec = json.loads(path.read_text()) if resume and path.exists() else {}
     rec.update({"key": key, "label": spec.label, "model": "all-MiniLM-L6-v2", "task": spec.task,
                 "files": spec.files, "options": spec.options, "epochs": spec.epochs, "grid": list(spec.grid),
@@ -339,7 +339,8 @@ def _reference_row(rec: dict) -> str:
     theirs = "; ".join(f"{_label(m)} {_pct(ref['metrics'][m])} (duolm seed {ref['seed']}: "
                        f"{_pct(ours['metrics'][m])})" for m in names)
     return (f"| ↳ {ref['library']}, same recipe | | {rec['epochs']:g} | {ref['lr']:g} | {theirs} | seed {ref['seed']} "
-            f"| {ref['wall_s']:.0f} s: duolm **{ref['wall_s'] / ours['wall_s']:.2f}x** faster | `{rec['key']}` |")
+            f"| {ref['wall_s']:.0f} s; duolm {ours['wall_s']:.0f} s: **{ref['wall_s'] / ours['wall_s']:.2f}x** | "
+            f"`{rec['key']}` |")
 
 
 def readme_block(readme: Path) -> tuple[str, str, str]:
@@ -360,14 +361,15 @@ def main(argv=None) -> int:
     p.add_argument("--write", action="store_true", help="write README.md's table from results/ (no runs)")
     p.add_argument("--check", action="store_true", help="fail if README.md's table differs from results/ (no runs)")
     p.add_argument("--readme", default=str(README))
+    p.add_argument("--results", default=str(RESULTS), help="the folder of result files")
     args = p.parse_args(argv)
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         p.error(f"unknown task(s) {', '.join(unknown)}: choose from {', '.join(TASKS)}")
-    readme = Path(args.readme)
+    readme, results = Path(args.readme), Path(args.results)
     if args.write or args.check:
         head, body, tail = readme_block(readme)
-        want = "\n" + table() + ""
+        want = "\n" + table(results)
         if args.check:
             if body == want:
                 print(f"{readme}: the results table matches results/")
@@ -384,8 +386,8 @@ def main(argv=None) -> int:
     print(f"CPU: {machine()}; load average at start: {os.getloadavg()[0]:.2f}", flush=True)
     log = lambda s: print(time.strftime("%H:%M:%S ") + s, flush=True)                         # noqa: E731
     for key in args.tasks or TASKS:
-        rec = run_task(key, TASKS[key], Path(args.runs), args.resume, not args.no_reference, log)
-        log(f"{key}: {RESULTS.name}/{key}.json: lr {rec['lr']:g}, mean "
+        rec = run_task(key, TASKS[key], Path(args.runs), results, args.resume, not args.no_reference, log)
+        log(f"{key}: {results / key}.json: lr {rec['lr']:g}, mean "
             + ", ".join(f"{m} {_pct(v)}" for m, v in rec["mean"].items()))
     return 0
 
