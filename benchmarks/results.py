@@ -10,8 +10,9 @@ dropout 0.1) and the precision "auto" (bf16 autocast where the CPU computes bf16
    rate chosen by the dev score of the task's first metric;
 2. seeds 1 and 2 at the chosen rate; the table shows the mean ± sample std over seeds 0, 1, 2 of each run's
    best epoch (the metrics x 100);
-3. for MRPC, SST-2 and CoNLL (sentence context), transformers' Trainer with the same recipe, rate, seed 0 and
-   split, its dev metrics at its best epoch and its wall time against duolm's seed-0 run at that rate.
+3. for MRPC, SST-2 and CoNLL (sentence context), duolm's seed-0 run at the chosen rate once more, then
+   transformers' Trainer with the same recipe, rate, seed and split, each started at a load average below 1:
+   both runs' dev metrics at their best epoch and their wall times.
 After every run, results/<task>.json is rewritten (config, split, per-epoch dev metrics, best epoch, wall time,
 load average at its start, precision, machine): an interrupted call continues with --resume (runs done are
 kept; a run cut short continues from its last checkpoint, which `duolm finetune --resume` writes every epoch).
@@ -33,7 +34,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 # benchmarks/tokenizers.py would shadow the `tokenizers` package that transformers imports
@@ -108,12 +109,12 @@ def per_epoch(run_dir: Path, steps_per_epoch: float) -> list[dict]:
             for r in read_metrics(run_dir) if any(k.startswith("val_") for k in r)]
 
 
-def one_run(key: str, spec: Spec, lr: float, seed: int, runs: Path, log) -> tuple[dict, dict]:
-    """duolm.finetune at one rate and seed into runs/key/lr-L-seed-S (continued if cut short) -> (the run's
-    record, finetune's info)."""
+def one_run(key: str, spec: Spec, lr: float, seed: int, runs: Path, log, prefix: str = "") -> tuple[dict, dict]:
+    """duolm.finetune at one rate and seed into runs/key/[prefix]lr-L-seed-S (continued if cut short) -> (the
+    run's record, finetune's info)."""
     from duolm.train.finetune import finetune
 
-    run_dir = runs / key / f"lr-{lr:g}-seed-{seed}"
+    run_dir = runs / key / f"{prefix}lr-{lr:g}-seed-{seed}"
     resumed = (run_dir / "checkpoint.json").exists()
     load, t0, info = os.getloadavg()[0], time.perf_counter(), {}
     log(f"{key}: lr {lr:g} seed {seed} -> {run_dir} (load {load:.2f}{', resumed' if resumed else ''})")
@@ -163,9 +164,25 @@ def run_task(key: str, spec: Spec, runs: Path, results: Path, resume: bool, refe
     rec.update(lr=lr, mean=summary["mean"], std=summary["std"])
     _write(path, rec)
     if reference and spec.reference and rec.get("reference", {}).get("lr") != lr:
-        rec["reference"] = trainer_run(key, spec, lr, SEEDS[0], rec["precision"], runs, log)
+        rec["reference"] = reference_pair(key, spec, lr, SEEDS[0], rec["precision"], runs, log)
         _write(path, rec)
     return rec
+
+
+def reference_pair(key: str, spec: Spec, lr: float, seed: int, precision: str, runs: Path, log) -> dict:
+    """duolm's run at (lr, seed) again, then Trainer's, back to back, each started on a quiet machine (load
+    average below 1, waited for up to 5 minutes): the Trainer record with duolm's beside it ("duolm")."""
+    _quiet(log)
+    ours, _ = one_run(key, spec, lr, seed, runs, log, prefix="timed-")
+    _quiet(log)
+    return {**trainer_run(key, spec, lr, seed, precision, runs, log), "duolm": ours}
+
+
+def _quiet(log, below: float = 1.0, patience_s: float = 300) -> None:
+    t0 = time.monotonic()
+    while os.getloadavg()[0] >= below and time.monotonic() - t0 < patience_s:
+        time.sleep(10)
+    log(f"load average {os.getloadavg()[0]:.2f} after {time.monotonic() - t0:.0f} s of waiting for < {below}")
 
 
 def _value(run: dict, metric: str) -> float:
@@ -334,7 +351,7 @@ def _label(metric: str) -> str:
 
 def _reference_row(rec: dict) -> str:
     ref = rec["reference"]
-    ours = next(r for r in rec["runs"] if r["lr"] == ref["lr"] and r["seed"] == ref["seed"])
+    ours = ref["duolm"]
     names = [m for m in _names(rec) if m in ref["metrics"]]
     theirs = "; ".join(f"{_label(m)} {_pct(ref['metrics'][m])} (duolm seed {ref['seed']}: "
                        f"{_pct(ours['metrics'][m])})" for m in names)
