@@ -19,7 +19,10 @@ With --scoring N it measures instead what lm-evaluation-harness's loglikelihood 
 server: N LAMBADA passages (the shared dev file), each one request shaped as lm-eval sends it (the ids of
 context + " " + last word, echo, max_tokens 1, logprobs 1, temperature 0), from 4 concurrent clients, against
 `duolm eval --task lambada` in this process on the same passages (the numbers checked equal: accuracy and
-perplexity from the server's log-probabilities as lm-eval reads them).
+perplexity from the server's log-probabilities as lm-eval reads them). Both sides run in the precision the
+commands use by default ("auto": exact fp32 on the fastest kernels). It also prints the share of the matrix work
+the two do: lm-eval asks for every prompt position's log-probability and top-1, so the server runs the output
+layer (768 x 50257) on every position, `duolm eval` on the target word's only.
 
     python benchmarks/serve.py --scoring 64 --threads 2
 
@@ -282,6 +285,7 @@ def run_scoring(args, model, tok, tmp):
     import math
 
     from duolm.evaluation import evaluate_lm
+    from duolm.precision import inference
     from duolm.evaluation.readers import lambada_examples
 
     examples = lambada_examples(DATA / "lambada" / "lambada_development_plain_text.txt")[:args.scoring]
@@ -293,13 +297,16 @@ def run_scoring(args, model, tok, tmp):
     print(f"torch {torch.__version__}, {args.threads} threads; GPT-2 124M random weights; {len(seqs)} LAMBADA "
           f"passages of ~{sum(len(a) + len(b) for a, b in seqs) // len(seqs)} tokens; best of {args.rounds} rounds")
     best_eval = best_serve = best_same = float("inf")
+    kernels = inference("auto", "cpu")          # what `duolm eval` and `duolm serve` run in by default
     with process(cmd, url, tmp / "serve.log", threads):
         lm_eval_scores(url, "gpt2-124m", seqs[:4])                        # warm up
         for _ in range(args.rounds):
             t = time.perf_counter()
-            ref = evaluate_lm(model, tok, "lambada", examples)            # duolm eval's batch size, 8
+            with kernels:
+                ref = evaluate_lm(model, tok, "lambada", examples)        # duolm eval's batch size, 8
             best_eval = min(best_eval, time.perf_counter() - t)
-            best_same = min(best_same, same_work(model, seqs))
+            with kernels:
+                best_same = min(best_same, same_work(model, seqs))
             seconds, scores = lm_eval_scores(url, "gpt2-124m", seqs)
             best_serve = min(best_serve, seconds)
             print(f"  duolm eval {len(seqs) / best_eval:.2f} passages/s, the server's work in-process "
@@ -311,6 +318,14 @@ def run_scoring(args, model, tok, tmp):
           f"{len(seqs) / best_serve:.2f} passages/s; ratio {best_eval / best_serve:.2f}x (target >= 0.7x)")
     print(f"the server's work (every position's log p and top-1, batched by 8) in-process: {len(seqs) / best_same:.2f} "
           f"passages/s ({best_eval / best_same:.2f}x duolm eval); duolm serve / that: {best_same / best_serve:.2f}x")
+    body = sum(p.numel() for n, p in model.named_parameters() if n.startswith("h."))      # the blocks' matmuls
+    head = model.config.n_embd * model.config.vocab_size
+    tokens = sum(len(a) + len(b) for a, b in seqs)
+    eval_flops = body * tokens + head * sum(len(b) for _, b in seqs)
+    serve_flops = body * tokens + head * tokens
+    print(f"matrix work: duolm eval runs the output layer on the target word's positions only, the server on every "
+          f"position (lm-eval asks each one's log p and top-1): {eval_flops / serve_flops:.2f}x the server's "
+          f"multiply-adds, the ratio at equal speed")
 
 
 def run_soak(n, tmp, clients=32, warmup=500):

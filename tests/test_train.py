@@ -381,6 +381,12 @@ def test_tiny_gpt2_and_bert_learn(data_dir, tmp_path, one_thread):
     rows = [r for r in read_metrics(tmp_path / "bert") if "val_loss" in r]
     assert rows[-1]["val_loss"] < rows[0]["val_loss"] - 0.9          # 7.63 at the start (ln 1000 + ln 2)
     assert rows[-1]["val_mlm_acc"] > rows[0]["val_mlm_acc"] + 0.02
+    # the picture: MLM's losses in the left panel, NSP's in the right, each with its training curve (blue)
+    from matplotlib.image import imread
+    picture = (imread(tmp_path / "bert" / "loss.png")[..., :3] * 255).round().astype(int)
+    assert picture.shape[:2] == (400, 1280)
+    for half in (picture[:, :640], picture[:, 640:]):
+        assert half.reshape(-1, 3).tolist().count([31, 119, 180]) > 20
     import duolm
     model, tok = duolm.load(tmp_path / "bert")
     assert type(model).__name__ == "BertForPreTraining" and tok.vocab_size == model.config.vocab_size

@@ -41,6 +41,17 @@ def mlm_nsp_counts(batch: dict) -> dict[str, int]:
     return counts
 
 
+def constant_guess_accuracy(labels) -> float:
+    """The MLM accuracy of always guessing the most frequent target: the unigram baseline a model that reads no
+    context reaches at best. labels: tensors of targets, IGNORE where nothing is predicted.
+
+    >>> constant_guess_accuracy([torch.tensor([[5, 5, -100]]), torch.tensor([[7, -100, -100]])])
+    0.6666666666666666
+    """
+    targets = torch.cat([t[t != IGNORE] for t in labels])
+    return targets.bincount().max().item() / max(targets.numel(), 1)
+
+
 def mlm_nsp_loss(outputs, batch: dict, norm: dict | None = None):
     """BERT pretraining: mean MLM cross-entropy over masked positions + mean NSP cross-entropy (the paper's sum).
 

@@ -15,6 +15,11 @@ attention mask (the model counts positions over real tokens only). Each step wri
 every row. A prompt longer than L joining shifts the block right; when the buffer is full, the
 columns that are padding in every row are dropped (the block shifts left).
 
+Scoring rows (max_tokens 0 or 1: lm-evaluation-harness's loglikelihood requests) never decode, so they need no
+cache: the waiting ones run as one right-padded forward (causal attention keeps a row's positions from seeing
+the padding after them), each drawing its one token from its last real position. Like any batched forward it
+rounds ~1e-6 away from the row alone.
+
 batch_invariant=True trades that sharing for bitwise reproducibility: each row keeps the 1-row cache of
 its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
 log-probabilities are the same bits whatever runs beside it, and in whatever order rows arrive. A step
@@ -37,6 +42,7 @@ from duolm.models import KVCache
 
 log = logging.getLogger("duolm.serve")
 PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
+SCORE_TOKENS = 4096   # padded positions of one batched scoring forward at most (one longer prompt goes alone)
 
 
 class Sink:
@@ -81,6 +87,24 @@ class Row:
     n: int = 0                       # positions of this row in the cache
     generator: torch.Generator | None = None
     cache: KVCache | None = None     # batch_invariant: the row's own cache
+
+
+def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of prompts (their lengths, in arrival order) cut into consecutive groups whose padded size
+    (prompts x the longest) stays within budget; a prompt longer than the budget is a group alone.
+
+    >>> padded_groups([3, 5, 9, 2], 12)
+    [[0, 1], [2], [3]]
+    """
+    groups, longest = [], 0
+    for i, n in enumerate(lengths):
+        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
+            groups[-1].append(i)
+            longest = max(longest, n)
+        else:
+            groups.append([i])
+            longest = n
+    return groups
 
 
 def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
@@ -209,13 +233,20 @@ class Scheduler:
         busy = any(r.cancelled for r in self._rows)
         if busy:
             self._guard(list(self._rows), self._drop_cancelled)
-        while len(self._rows) < self.max_batch:
+        scoring = []              # rows that draw at most one token: prefilled together below
+        while len(self._rows) + len(scoring) < self.max_batch:
             with self._cond:
                 row = self._waiting.popleft() if self._waiting else None
             if row is None:
                 break
             busy = True
-            self._guard([row], self._join, row)
+            if row.max_tokens <= 1 and not self.batch_invariant:
+                scoring.append(row)
+            else:
+                self._guard([row], self._join, row)
+        for group in padded_groups([len(r.prompt) for r in scoring], SCORE_TOKENS):
+            rows = [scoring[i] for i in group]
+            self._guard(rows, self._score, rows)
         if self._rows:
             busy = True
             self._guard(self._rows, self._decode)
@@ -291,6 +322,29 @@ class Scheduler:
         self._mask[j, L - P:L] = 1
         row.n = P
         self._rows.append(row)
+
+    def _score(self, rows: list[Row]) -> None:
+        """Rows that draw at most one token: one forward over their prompts, right-padded, and no cache."""
+        for row in rows:
+            if row.cancelled or (row.max_tokens == 0 and not row.prompt_logprobs):
+                self._finish(row, "cancelled" if row.cancelled else "length")
+        rows = [r for r in rows if not r.finished]
+        if not rows:
+            return
+        idx = torch.zeros(len(rows), max(len(r.prompt) for r in rows), dtype=torch.long, device=self.device)
+        for j, row in enumerate(rows):
+            idx[j, :len(row.prompt)] = torch.tensor(row.prompt)
+        h = self.model.hidden(idx)
+        for j, row in enumerate(rows):
+            P = len(row.prompt)
+            self.prompt_tokens += P
+            if row.prompt_logprobs:
+                row.sink.prompt(self._prompt_logprobs(h[j, :P], row))
+            if row.max_tokens == 0:
+                self._finish(row, "length")
+                continue
+            row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
+            self._draw(row, self.model.head(h[j:j + 1, P - 1]).float())     # its only token: the row finishes
 
     def _prompt_logprobs(self, h: torch.Tensor, row: Row) -> list:
         """None for the first prompt token, then logprob_info of each from the states h (P, C) before it; the

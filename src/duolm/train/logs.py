@@ -41,8 +41,9 @@ def open_logs(run_dir, resume_step: int | None, tensorboard: bool = True) -> lis
     return sinks
 
 
-def plot_run(run_dir, metrics=("loss", "val_loss"), log_scale: bool = False, out: str = "loss.png") -> Path | None:
-    """Draw RUN/loss.png from RUN/metrics.jsonl with matplotlib: one curve per metric against the step.
+def plot_run(run_dir, panels=(("loss", "val_loss"),), log_scale: bool = False, out: str = "loss.png") -> Path | None:
+    """Draw RUN/loss.png from RUN/metrics.jsonl with matplotlib: a panel per tuple of `panels`, side by side, one
+    curve per metric against the step (BERT: MLM and NSP apart, so each one's learning shows).
     Returns the picture's path, or None when matplotlib is not installed (`pip install duolm[plot]`)."""
     if importlib.util.find_spec("matplotlib") is None:
         return None
@@ -51,18 +52,19 @@ def plot_run(run_dir, metrics=("loss", "val_loss"), log_scale: bool = False, out
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir)
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for name in metrics:
-        points = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
-        if points:
-            ax.plot(*zip(*points), label=name.replace("_", " "), marker="o" if name.startswith("val") else None,
-                    markersize=3)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    if log_scale:
-        ax.set_yscale("log")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.4 * len(panels), 4.0), dpi=100, squeeze=False)
+    for ax, metrics in zip(axes[0], panels):
+        for name in metrics:
+            points = [(r["step"], r[name]) for r in rows if isinstance(r.get(name), (int, float))]
+            if points:
+                ax.plot(*zip(*points), label=name.replace("_", " "), marker="o" if name.startswith("val") else None,
+                        markersize=3)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        if log_scale:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
     fig.tight_layout()
     path = Path(run_dir) / out
     try:

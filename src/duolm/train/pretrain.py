@@ -30,6 +30,8 @@ from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, loss_validator, train
 
 FAMILIES = ("gpt2", "bert")
+# loss.png's panels: BERT's two losses apart, so the picture shows when each starts to learn
+PLOTS = {"gpt2": (("loss", "val_loss"),), "bert": (("mlm_loss", "val_mlm_loss"), ("nsp_loss", "val_nsp_loss"))}
 
 
 @dataclass
@@ -115,7 +117,7 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
         result = train(model, objective, train_data, tc, run_dir, validate=loss_validator(objective, val_data, tc),
                        tokenizer=tok, resume=resume, on_log=on_log)
         if rank == 0:
-            result["plot"] = plot_run(run_dir)
+            result["plot"] = plot_run(run_dir, PLOTS[family])
         return result
     finally:
         if dist.is_available() and dist.is_initialized():
