@@ -163,7 +163,8 @@ def run_task(key: str, spec: Spec, runs: Path, results: Path, resume: bool, refe
     summary = summarize(chosen, rec["metric"])
     rec.update(lr=lr, mean=summary["mean"], std=summary["std"])
     _write(path, rec)
-    if reference and spec.reference and rec.get("reference", {}).get("lr") != lr:
+    done = rec.get("reference", {})
+    if reference and spec.reference and (done.get("lr") != lr or "duolm" not in done):
         rec["reference"] = reference_pair(key, spec, lr, SEEDS[0], rec["precision"], runs, log)
         _write(path, rec)
     return rec
@@ -310,7 +311,7 @@ def table(results: Path = RESULTS) -> str:
             continue
         rec = json.loads(path.read_text())
         lines.append(_row(rec))
-        if "reference" in rec:
+        if "duolm" in rec.get("reference", {}):
             lines.append(_reference_row(rec))
     return "\n".join(lines) + "\n"
 
@@ -323,7 +324,7 @@ def _row(rec: dict) -> str:
     data = rec.get("data", {})
     dev = sum(data.get("dev", {}).values())
     size = f"{data.get('train', 0):,} / {dev:,}"
-    grid = ", ".join(f"{g:g}" for g in rec["grid"])
+    grid = ", ".join(f"{g:.0e}" for g in rec["grid"])
     names = [m for m in _names(rec)]
     done = [r for r in rec["runs"] if r["lr"] == rec.get("lr")]
     seeds = sorted(done, key=lambda r: r["seed"])
@@ -334,7 +335,7 @@ def _row(rec: dict) -> str:
         seeds = rec["runs"]
     per_seed = ", ".join(_pct(r["metrics"][rec["metric"]]) for r in seeds)
     wall = statistics.fmean(r["wall_s"] for r in rec["runs"])
-    lr = f"{rec['lr']:g} ({grid})" if "lr" in rec else f"({grid})"
+    lr = f"{rec['lr']:.0e} ({grid})" if "lr" in rec else f"({grid})"
     return (f"| {rec['label']} | {size} | {rec['epochs']:g} | {lr} | {result} | {per_seed} | {wall:.0f} s "
             f"({rec['precision']}) | `{rec['key']}` |")
 
@@ -355,7 +356,7 @@ def _reference_row(rec: dict) -> str:
     names = [m for m in _names(rec) if m in ref["metrics"]]
     theirs = "; ".join(f"{_label(m)} {_pct(ref['metrics'][m])} (duolm seed {ref['seed']}: "
                        f"{_pct(ours['metrics'][m])})" for m in names)
-    return (f"| ↳ {ref['library']}, same recipe | | {rec['epochs']:g} | {ref['lr']:g} | {theirs} | seed {ref['seed']} "
+    return (f"| ↳ {ref['library']}, same recipe | | {rec['epochs']:g} | {ref['lr']:.0e} | {theirs} | seed {ref['seed']} "
             f"| {ref['wall_s']:.0f} s; duolm {ours['wall_s']:.0f} s: **{ref['wall_s'] / ours['wall_s']:.2f}x** | "
             f"`{rec['key']}` |")
 
