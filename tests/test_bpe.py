@@ -230,6 +230,8 @@ def test_safe_chunks_on_real_data(gpt2, data_dir):
         assert [i for c in chunks for i in gpt2.encode_ordinary(c)] == gpt2.encode_ordinary(text), name
     # a newline followed by two spaces is no cut: "\n " is one piece there, "\n" + " " if cut
     assert pre_split("a\n") + pre_split("  b") != pre_split("a\n  b") and safe_chunks("a\n  b", 1) == ["a\n  b"]
+    # paragraphs of one line between blank lines: cut between the two newlines, "\n" + "\n" both ways
+    assert safe_chunks("one para.\n\nTwo.\n\n\nThree", 1) == ["one para.\n", "\nTwo.\n\n", "\nThree"]
     assert safe_chunks("", 10) == []
     with pytest.raises(ValueError, match="chunk_chars"):
         safe_chunks("abc", 0)

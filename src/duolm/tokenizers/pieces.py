@@ -41,8 +41,10 @@ def pre_split(text: str) -> list[str]:
 # (the newline is a piece of its own), or before a space and a non-space character (the whitespace run
 # ends at the newline and " x" starts the next piece). No pattern reaches across it: the only lookahead,
 # (?!\S), is answered before it. \S here is `regex`'s, the pattern's own (stdlib `re` also counts
-# \x1c-\x1f as space). The second kind is what lets PTB and WikiText (lines start with a space) be cut.
-_SAFE_CUT = regex.compile(r"(?<=\S)\n(?=\S)|\n(?= \S)")
+# \x1c-\x1f as space). The second kind is what lets PTB and WikiText (lines start with a space) be cut. The
+# third, before the last newline of a run that ends at a non-space character, lets text whose paragraphs are one
+# line each, separated by blank lines, be cut: the run but its last newline is one piece, that newline another.
+_SAFE_CUT = regex.compile(r"(?<=\S)\n(?=\S)|\n(?= \S)|\n(?=\n\S)")
 
 
 def safe_chunks(text: str, chunk_chars: int) -> list[str]:
