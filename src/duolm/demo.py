@@ -18,6 +18,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+# BERT's recipe for a few minutes on 2 cores (bf16 where the CPU has it): see run()
+BERT_RECIPE = dict(batch_size=32, lr=1e-3, masking="dynamic")
+MASKED = ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
+          "Raise a [MASK] if the value is not valid.", "If the [MASK] does not exist, an exception is raised.",
+          "The file is closed when the [MASK] manager exits.")
 SKIP_DIRS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "lib2to3", "__pycache__"}
 
 
@@ -50,14 +55,20 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
 
 
-def _pretrain(family, data, run, steps, batch_size, lr, **model):
-    """A 4-layer, 128-wide model on 128-token sequences: 4 evaluations, 2 checkpoints."""
-    from duolm.train import ModelConfig, TrainConfig, pretrain
+def _configs(steps, batch_size, lr, precision="auto", warmup=30, n_layer=4, n_embd=128, block_size=128, **model):
+    """A small model (4 layers, 128 wide, 128-token sequences by default): 5 evaluations, 2 checkpoints."""
+    from duolm.train import ModelConfig, TrainConfig
 
-    mc = ModelConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, **model)
-    tc = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=30, eval_every=max(steps // 4, 1),
-                     eval_batches=8, checkpoint_every=max(steps // 2, 1))
-    with tqdm(total=steps, unit="step", desc=family, dynamic_ncols=True) as bar:
+    mc = ModelConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size, **model)
+    tc = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup, eval_every=max(steps // 4, 1),
+                     eval_batches=8, checkpoint_every=max(steps // 2, 1), precision=precision)
+    return mc, tc
+
+
+def _pretrain(family, data, run, mc, tc):
+    from duolm.train import pretrain
+
+    with tqdm(total=tc.max_steps, unit="step", desc=family, dynamic_ncols=True) as bar:
         pretrain(family, data, run, mc, tc, on_log=lambda row: bar.update(row["step"] - bar.n))
 
 
@@ -66,7 +77,9 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     from duolm.data import prepare
     from duolm.textgen import fill_mask_text, generate_text
     from duolm.tokenizers import ByteLevelBPE, WordPiece
+    from duolm.objectives import constant_guess_accuracy
     from duolm.runs import read_metrics
+    from duolm.train.pretrain import build
 
     t_start = time.time()
     out = Path(out)
@@ -87,12 +100,15 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     bpe = ByteLevelBPE.train([corpus[:1_500_000]], vocab_size=2048)
     bpe.save(out / "bpe")
     print(f"== byte-level BPE: {bpe.vocab_size} tokens in {time.time() - t:.0f}s")
-    prepare([out / "corpus.txt"], bpe, out / "data-gpt2", workers=2, val_fraction=0.02)
+    # chunks small enough that a short --text still has some for the validation split
+    chunk_chars = max(2048, min(1 << 16, len(corpus) // 100))
+    prepare([out / "corpus.txt"], bpe, out / "data-gpt2", workers=2, val_fraction=0.02, chunk_chars=chunk_chars)
     gpt2_run = out / "gpt2"
-    _pretrain("gpt2", out / "data-gpt2", gpt2_run, gpt2_steps, batch_size=16, lr=2e-3, dropout=0.0)
+    _pretrain("gpt2", out / "data-gpt2", gpt2_run, *_configs(gpt2_steps, batch_size=16, lr=2e-3, dropout=0.0))
     val = [r["val_loss"] for r in read_metrics(gpt2_run) if "val_loss" in r]
-    print(f"== GPT-2 validation loss {val[0]:.3f} -> {val[-1]:.3f} (perplexity {math.exp(val[0]):.0f} -> "
-          f"{math.exp(val[-1]):.1f})")
+    gpt2_line = (f"GPT-2: validation loss {val[0]:.2f} -> {val[-1]:.2f}, perplexity {math.exp(val[0]):.0f} -> "
+                 f"{math.exp(val[-1]):.1f} (guessing uniformly among its {bpe.vocab_size:,} tokens: {bpe.vocab_size:,})")
+    print("== " + gpt2_line)
     model, tok = load(gpt2_run)
     for i, prompt in enumerate(("Return the", "This module provides", "If the file")):
         text = "".join(generate_text(model, tok, prompt, 40, temperature=0.8, top_k=40, seed=i))
@@ -105,13 +121,22 @@ def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, 
     wp = WordPiece.train([s for d in sent_docs for s in d][:40_000], vocab_size=4000)
     wp.save(out / "wordpiece")
     print(f"== WordPiece: {wp.vocab_size} pieces in {time.time() - t:.0f}s; {len(sent_docs):,} documents of sentences")
-    prepare([out / "corpus-bert.txt"], wp, out / "data-bert", workers=2, val_fraction=0.02)
+    prepare([out / "corpus-bert.txt"], wp, out / "data-bert", workers=2, val_fraction=0.02, chunk_chars=chunk_chars)
     bert_run = out / "bert"
-    _pretrain("bert", out / "data-bert", bert_run, bert_steps, batch_size=32, lr=1e-3, masking="dynamic")
+    mc, tc = _configs(bert_steps, **BERT_RECIPE)
+    _pretrain("bert", out / "data-bert", bert_run, mc, tc)
+    rows = [r for r in read_metrics(bert_run) if "val_mlm_acc" in r]
+    first, last = rows[0], rows[-1]
+    val_data = build("bert", out / "data-bert", mc, tc.seed)[3]
+    guess = constant_guess_accuracy(b["mlm_labels"] for b in val_data.eval_batches(tc.batch_size,
+                                                                                    max_batches=tc.eval_batches))
+    bert_line = (f"BERT: validation MLM accuracy {first['val_mlm_acc']:.1%} -> {last['val_mlm_acc']:.1%} (always "
+                 f"guessing the most frequent piece: {guess:.1%}), NSP accuracy {first['val_nsp_acc']:.1%} -> "
+                 f"{last['val_nsp_acc']:.1%} (chance: 50%)")
+    print("== " + bert_line)
     bert, wtok = load(bert_run)
-    for sentence in ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
-                     "Raise a [MASK] if the value is not valid."):
+    for sentence in MASKED:
         preds, _ = fill_mask_text(bert, wtok, sentence, top_k=5)
         print(f"   {sentence!r}: " + ", ".join(f"{piece} {p:.2f}" for piece, p in preds[0]))
     print(f"== done in {(time.time() - t_start) / 60:.1f} min: {out}/gpt2 and {out}/bert hold checkpoints, "
-          f"metrics.jsonl, tb/ and loss.png")
+          f"metrics.jsonl, tb/ and loss.png (BERT's: MLM and NSP apart)\n   {gpt2_line}\n   {bert_line}")
