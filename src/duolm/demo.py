@@ -18,8 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-# BERT's recipe for a few minutes on 2 cores (bf16 where the CPU has it): see run()
-BERT_RECIPE = dict(batch_size=32, lr=1e-3, masking="dynamic")
+# BERT's recipe for a few minutes on 2 cores (bf16 where the CPU has it): a small post-LN BERT stays on the unigram
+# plateau (every [MASK] "the") for hundreds of steps; 2 layers on 64-token sequences, a high rate and no dropout
+# leave it within ~3,000 steps and predict from the context
+BERT_RECIPE = dict(batch_size=32, lr=2e-3, warmup=100, n_layer=2, block_size=64, dropout=0.0, masking="dynamic")
 MASKED = ("Return the [MASK] of the list.", "This module provides [MASK] for working with files.",
           "Raise a [MASK] if the value is not valid.", "If the [MASK] does not exist, an exception is raised.",
           "The file is closed when the [MASK] manager exits.")
@@ -72,7 +74,7 @@ def _pretrain(family, data, run, mc, tc):
         pretrain(family, data, run, mc, tc, on_log=lambda row: bar.update(row["step"] - bar.n))
 
 
-def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 500):
+def run(out: str = "runs/demo", text: str | None = None, gpt2_steps: int = 400, bert_steps: int = 3000):
     from duolm.checkpoint import load
     from duolm.data import prepare
     from duolm.textgen import fill_mask_text, generate_text

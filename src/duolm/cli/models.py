@@ -235,13 +235,14 @@ def add_serve(sub):
 
 def cmd_demo(args):
     from duolm.demo import run
-    run(args.out, text=args.text, gpt2_steps=args.gpt2_steps, bert_steps=args.bert_steps)
+    steps = {k: getattr(args, k) for k in ("gpt2_steps", "bert_steps") if getattr(args, k) is not None}
+    run(args.out, text=args.text, **steps)
 
 
 def add_demo(sub):
     p = sub.add_parser("demo", help="train a small GPT-2 and BERT from scratch on the stdlib's docstrings (no download)")
     p.add_argument("--text", default=None, help="your own text file instead (blank lines separate documents)")
     p.add_argument("-o", "--out", default="runs/demo")
-    p.add_argument("--gpt2-steps", type=int, default=400)
-    p.add_argument("--bert-steps", type=int, default=500)
+    p.add_argument("--gpt2-steps", type=int, help="GPT-2's training steps (400)")
+    p.add_argument("--bert-steps", type=int, help="BERT's training steps (3000)")
     p.set_defaults(func=cmd_demo)
