@@ -19,8 +19,8 @@ With --scoring N it measures instead what lm-evaluation-harness's loglikelihood 
 server: N LAMBADA passages (the shared dev file), each one request shaped as lm-eval sends it (the ids of
 context + " " + last word, echo, max_tokens 1, logprobs 1, temperature 0), from 4 concurrent clients, against
 `duolm eval --task lambada` in this process on the same passages (the numbers checked equal: accuracy and
-perplexity from the server's log-probabilities as lm-eval reads them). Both sides run in the precision the
-commands use by default ("auto": exact fp32 on the fastest kernels). It also prints the share of the matrix work
+perplexity from the server's log-probabilities as lm-eval reads them). Both sides run exact fp32 on the fastest
+kernels (the server with --precision fp32, `duolm eval`'s default). It also prints the share of the matrix work
 the two do: lm-eval asks for every prompt position's log-probability and top-1, so the server runs the output
 layer (768 x 50257) on every position, `duolm eval` on the target word's only.
 
@@ -292,12 +292,13 @@ def run_scoring(args, model, tok, tmp):
     seqs = [(tok.encode_ordinary(ex.context), tok.encode_ordinary(ex.target)) for ex in examples]
     duolm.save(model, tmp / "gpt2-124m", tok)
     url = f"http://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--port", url.rsplit(":", 1)[1]]
+    cmd = [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--port", url.rsplit(":", 1)[1],
+           "--precision", "fp32"]
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     print(f"torch {torch.__version__}, {args.threads} threads; GPT-2 124M random weights; {len(seqs)} LAMBADA "
           f"passages of ~{sum(len(a) + len(b) for a, b in seqs) // len(seqs)} tokens; best of {args.rounds} rounds")
     best_eval = best_serve = best_same = float("inf")
-    kernels = inference("auto", "cpu")          # what `duolm eval` and `duolm serve` run in by default
+    kernels = inference("fp32", "cpu")          # `duolm eval`'s default, and the server's --precision fp32
     with process(cmd, url, tmp / "serve.log", threads):
         lm_eval_scores(url, "gpt2-124m", seqs[:4])                        # warm up
         for _ in range(args.rounds):
