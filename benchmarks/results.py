@@ -29,7 +29,6 @@ import argparse
 import difflib
 import importlib.util
 import json
-import math
 import os
 import statistics
 import sys
@@ -157,8 +156,7 @@ def run_task(key: str, spec: Spec, runs: Path, results: Path, resume: bool, refe
             _write(path, rec)
         return done
 
-    grid = [run(lr, SEEDS[0]) for lr in spec.grid]
-    lr = max(grid, key=lambda r: _value(r, rec["metric"]))["lr"]
+    lr = summarize([run(lr, SEEDS[0]) for lr in spec.grid], rec["metric"])["lr"]        # the best rate on dev
     chosen = [run(lr, seed) for seed in SEEDS]
     summary = summarize(chosen, rec["metric"])
     rec.update(lr=lr, mean=summary["mean"], std=summary["std"])
@@ -184,11 +182,6 @@ def _quiet(log, below: float = 1.0, patience_s: float = 300) -> None:
     while os.getloadavg()[0] >= below and time.monotonic() - t0 < patience_s:
         time.sleep(10)
     log(f"load average {os.getloadavg()[0]:.2f} after {time.monotonic() - t0:.0f} s of waiting for < {below}")
-
-
-def _value(run: dict, metric: str) -> float:
-    v = run["metrics"].get(metric, math.nan)
-    return -math.inf if math.isnan(v) else v
 
 
 def _recipe(config: dict) -> dict:

@@ -57,13 +57,13 @@ def _sentences(doc: str) -> list[str]:
     return [s for s in re.split(r"(?<=[.!?])\s+(?=[A-Z])", text) if len(s.split()) >= 3]
 
 
-def _configs(steps, batch_size, lr, precision="auto", warmup=30, n_layer=4, n_embd=128, block_size=128, **model):
+def _configs(steps, batch_size, lr, warmup=30, n_layer=4, n_embd=128, block_size=128, **model):
     """A small model (4 layers, 128 wide, 128-token sequences by default): 5 evaluations, 2 checkpoints."""
     from duolm.train import ModelConfig, TrainConfig
 
     mc = ModelConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size, **model)
     tc = TrainConfig(max_steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup, eval_every=max(steps // 4, 1),
-                     eval_batches=8, checkpoint_every=max(steps // 2, 1), precision=precision)
+                     eval_batches=8, checkpoint_every=max(steps // 2, 1))
     return mc, tc
 
 
