@@ -330,7 +330,8 @@ def _row(rec: dict) -> str:
         result = f"grid: {len(rec['runs'])} of {len(rec['grid'])} runs done"
         seeds = rec["runs"]
     per_seed = ", ".join(_pct(r["metrics"][rec["metric"]]) for r in seeds)
-    wall = statistics.fmean(r["wall_s"] for r in rec["runs"])
+    whole = [r for r in rec["runs"] if not r.get("resumed")]          # a resumed run's wall time is a part
+    wall = statistics.fmean(r["wall_s"] for r in whole or rec["runs"])
     lr = f"{rec['lr']:.0e} ({grid})" if "lr" in rec else f"({grid})"
     return (f"| {rec['label']} | {size} | {rec['epochs']:g} | {lr} | {result} | {per_seed} | {wall:.0f} s "
             f"({rec['precision']}) | `{rec['key']}` |")
@@ -338,12 +339,12 @@ def _row(rec: dict) -> str:
 
 def _names(rec: dict) -> list[str]:
     first = rec["runs"][0]["metrics"]
-    order = [rec["metric"]] + [m for m in ("accuracy", "pearson", "exact", "f1") if m != rec["metric"]]
+    order = [rec["metric"]] + [m for m in ("accuracy", "pearson", "exact_match", "f1") if m != rec["metric"]]
     return [m for m in order if m in first]
 
 
 def _label(metric: str) -> str:
-    return {"matthews": "MCC", "exact": "EM", "f1": "F1"}.get(metric, metric)
+    return {"matthews": "MCC", "exact_match": "EM", "f1": "F1"}.get(metric, metric)
 
 
 def _reference_row(rec: dict) -> str:

@@ -55,3 +55,13 @@ def test_a_row_shows_the_mean_std_and_every_seed(tmp_path):
     row = next(line for line in R.table(tmp_path).splitlines() if line.startswith("| MRPC"))
     assert row == ("| MRPC | 3,302 / 367 | 3 | 5e-05 (5e-05) | F1 **85.0** ± 5.0; accuracy **75.0** ± 5.0 "
                    "| 80.0, 85.0, 90.0 | 101 s (bf16) | `mrpc` |")
+
+
+def test_time_per_run_leaves_out_runs_continued_from_a_checkpoint(tmp_path):
+    """A resumed run's wall time covers only its last part: the row's time per run is over whole runs."""
+    R = _results_module()
+    rec = _record([0.80, 0.85, 0.90])
+    rec["runs"][2].update(wall_s=20.0, resumed=True)
+    (tmp_path / "mrpc.json").write_text(json.dumps(rec))
+    row = next(line for line in R.table(tmp_path).splitlines() if line.startswith("| MRPC"))
+    assert "| 100 s (bf16) |" in row                   # (100 + 101) / 2, not (100 + 101 + 20) / 3
