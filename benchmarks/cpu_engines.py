@@ -2,11 +2,15 @@
 
   * GPT-2 124M greedy decoding: a 32-token prompt, 128 new tokens (no early end), batch 1 and 8, in fp32
     (duolm: duolm.precision.Inference("fp32"), oneDNN on packed weights; CTranslate2 compute_type float32;
-    transformers' generate) and in int8 (duolm: weight-only int8; CTranslate2 compute_type int8);
+    transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
+    activations, as CTranslate2's compute_type int8);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel).
 
 The engines alternate within each round (A B C A B C ...) and each row reports the median of --rounds
-rounds, then the ratios in the same run. Batch-1 decoding is memory-bound: the bound printed beside it is the
+rounds, then the ratios in the same run. CTranslate2 runs in a process of its own (called in turn, its
+result sent back): in the benchmark's own process, once it has run, PyTorch's kernels stay at ~0.55x their
+speed for the rest of the process (measured: duolm int8 batch-1 decoding ~100 -> ~57 tokens/s), which made
+earlier runs of this script compare a slowed duolm and transformers with CTranslate2. Batch-1 decoding is memory-bound: the bound printed beside it is the
 read bandwidth measured here (a streaming sum over 1 GiB) over the bytes of weights one token reads (every
 matrix once, the tied output layer included). Prints the CPU, its bf16 support and the load average.
 
@@ -54,7 +58,6 @@ def _timed(f) -> float:
 def save_models(folder: Path):
     """Random GPT-2 124M and BERT-base saved by transformers (HF directories), and their CTranslate2
     conversions in float32 and int8."""
-    import ctranslate2
     import transformers
 
     torch.manual_seed(0)
@@ -69,24 +72,79 @@ def save_models(folder: Path):
     # CTranslate2's BERT converter (with transformers 5) wants the field transformers 5 no longer writes
     cfg = json.loads((folder / "bert" / "config.json").read_text())
     (folder / "bert" / "config.json").write_text(json.dumps({**cfg, "position_embedding_type": "absolute"}))
-    for name in ("gpt2", "bert"):
-        for q in ("float32", "int8"):
-            if name == "bert" and q == "int8":
-                continue
-            ctranslate2.converters.TransformersConverter(str(folder / name)).convert(
-                str(folder / f"{name}-ct2-{q}"), quantization=q, force=True)
+    import multiprocessing as mp
+
+    convert = mp.get_context("spawn").Process(target=_convert, args=(folder,))   # CTranslate2 stays out of here
+    convert.start()
+    convert.join()
+    if convert.exitcode:
+        sys.exit(f"CTranslate2's conversion failed (exit code {convert.exitcode})")
     return gpt, bert
 
 
-def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
+def _convert(folder: Path):
     import ctranslate2
 
+    for name, q in (("gpt2", "float32"), ("gpt2", "int8"), ("bert", "float32")):
+        ctranslate2.converters.TransformersConverter(str(folder / name)).convert(
+            str(folder / f"{name}-ct2-{q}"), quantization=q, force=True)
+
+
+class Isolated:
+    """A CTranslate2 model ("Generator" or "Encoder") in a process of its own: `call(method, *args)` runs
+    model.method(*args) there and returns what `pick` (a function of this module) makes of its result."""
+
+    def __init__(self, kind: str, path: Path, compute_type: str, threads: int):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, kind, str(path), compute_type, threads), daemon=True)
+        self.proc.start()
+
+    def call(self, method: str, pick: str, *args, **kwargs):
+        self.conn.send((method, pick, args, kwargs))
+        ok, out = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"CTranslate2 worker: {out}")
+        return out
+
+    def close(self):
+        self.conn.send(None)
+        self.proc.join()
+
+
+def _serve(conn, kind, path, compute_type, threads):
+    import ctranslate2
+
+    model = getattr(ctranslate2, kind)(path, device="cpu", compute_type=compute_type, intra_threads=threads,
+                                       inter_threads=1)
+    while (msg := conn.recv()) is not None:
+        method, pick, args, kwargs = msg
+        try:
+            conn.send((True, globals()[pick](getattr(model, method)(*args, **kwargs))))
+        except Exception as e:                                       # noqa: BLE001 - reported to the caller
+            conn.send((False, repr(e)))
+
+
+def _ids(results):
+    return [r.sequences_ids[0] for r in results]
+
+
+def _states(out):
+    return np.asarray(out.last_hidden_state)
+
+
+def _nothing(out):
+    return None
+
+
+def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ours, _ = load(folder / "gpt2")
     ours.eval()
     g = torch.Generator().manual_seed(batch)
     prompts = torch.randint(0, 50000, (batch, PROMPT), generator=g).tolist()
-    ct2 = {q: ctranslate2.Generator(str(folder / f"gpt2-ct2-{q}"), device="cpu", compute_type=q,
-                                    intra_threads=threads, inter_threads=1) for q in ("float32", "int8")}
+    ct2 = {q: Isolated("Generator", folder / f"gpt2-ct2-{q}", q, threads) for q in ("float32", "int8")}
     # CTranslate2 takes token strings: the ids' names in its vocabulary file
     vocab = json.loads((folder / "gpt2-ct2-float32" / "vocabulary.json").read_text())
     ct2_prompts = [[vocab[i] for i in p] for p in prompts]
@@ -100,10 +158,10 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
 
     def ctranslate(q):
         def run():
-            out = ct2[q].generate_batch(ct2_prompts, max_length=new, min_length=new, sampling_topk=1,
-                                        include_prompt_in_result=False)
-            assert all(len(r.sequences_ids[0]) == new for r in out)
-            return [r.sequences_ids[0] for r in out]
+            out = ct2[q].call("generate_batch", "_ids", ct2_prompts, max_length=new, min_length=new, sampling_topk=1,
+                              include_prompt_in_result=False)
+            assert all(len(r) == new for r in out)
+            return out
         return run
 
     def hf():
@@ -117,19 +175,19 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ids = {k: f() for k, f in engines.items()}          # also the warm-up
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
-    return _rounds(engines, rounds), same
+    times = _rounds(engines, rounds)
+    for worker in ct2.values():
+        worker.close()
+    return times, same
 
 
 def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
-    import ctranslate2
-
     ours, _ = load(folder / "bert")
     ours.eval()
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(1000, 30000, (batch, length), generator=g)
     idx[:, 0], idx[:, -1] = 101, 102
-    enc = ctranslate2.Encoder(str(folder / "bert-ct2-float32"), device="cpu", compute_type="float32",
-                              intra_threads=threads, inter_threads=1)
+    enc = Isolated("Encoder", folder / "bert-ct2-float32", "float32", threads)
     vocab = (folder / "bert-ct2-float32" / "vocabulary.json")
     names = json.loads(vocab.read_text()) if vocab.exists() else None
     tokens = [[names[i] for i in row] for row in idx.tolist()] if names else None
@@ -139,20 +197,20 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
         with torch.inference_mode(), fp32:
             return ours(idx)[0]
 
-    def ct2():
-        if tokens is not None:
-            return enc.forward_batch(tokens).last_hidden_state
-        return enc.forward_batch(idx.tolist()).last_hidden_state
+    def ct2(pick="_nothing"):                  # the timed calls send nothing back
+        return enc.call("forward_batch", pick, tokens if tokens is not None else idx.tolist())
 
     def hf():
         with torch.inference_mode():
             return bert_hf(idx).last_hidden_state
 
     # the same weights give the same states (a check that the engines computed the same thing); also the warm-up
-    a, b, c = duolm(), torch.as_tensor(np.asarray(ct2())), hf()
+    a, b, c = duolm(), torch.as_tensor(ct2("_states")), hf()
     diffs = {"CTranslate2": (b - a).abs().max().item(), "transformers": (c - a).abs().max().item()}
     engines = {"duolm fp32": duolm, "CTranslate2 fp32": ct2, "transformers fp32": hf}
-    return _rounds(engines, rounds), diffs
+    times = _rounds(engines, rounds)
+    enc.close()
+    return times, diffs
 
 
 def _rounds(engines: dict, rounds: int) -> dict:

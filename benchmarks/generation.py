@@ -6,15 +6,15 @@ batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm Inference(fp32)   inside duolm.precision.Inference("fp32"): oneDNN on packed weights where it is
                           the faster engine (`duolm generate`'s CPU default); the same ids
   transformers fp32       GPT2LMHeadModel.generate
-  duolm Inference(int8)   weight-only int8 / bf16 (`duolm generate --precision int8 / bf16`): narrow
-  duolm Inference(bf16)   matmul weights; activations, LayerNorms and the KV cache stay fp32
+  duolm Inference(int8)   int8 / bf16 matmuls (`duolm generate --precision int8 / bf16`): narrow
+  duolm Inference(bf16)   weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
 Every round runs every row once, the order rotated each round; each row reports the median of
---rounds rounds. Ratios: the fp32 rows over transformers fp32; the weight-only rows over duolm
+--rounds rounds. Ratios: the fp32 rows over transformers fp32; the int8 / bf16 rows over duolm
 Inference(fp32). Batch-1 decoding is memory-bound: every token reads all weights once, so the bound
 is (read bandwidth measured here) / (bytes one token reads: matrices at the row's width, the rest
 fp32, the mean KV cache).
 
-Then what the weight-only modes change in the numbers on these random weights: KL(fp32 || mode) and
+Then what the int8 / bf16 modes change in the numbers on these random weights: KL(fp32 || mode) and
 top-1 agreement of next-token distributions on 1,024 WikiText-2 test tokens (perplexity of random
 weights means nothing; benchmarks/precision_quality.py measures trained weights).
 

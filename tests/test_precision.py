@@ -1,5 +1,5 @@
 """duolm.precision: the fp32 path through oneDNN against plain F.linear (logits of both families, decoding,
-heads, weights that change), weight-only bf16 / int8 against fp32, bf16 training (autocast) against fp32,
+heads, weights that change), bf16 / int8 matmuls against fp32, bf16 training (autocast) against fp32,
 the choice of "auto", and the precision a run records and resumes under."""
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
-from duolm.precision import Inference, choose, inference, int8_rows, native_bf16, training
+from duolm import precision
+from duolm.precision import Inference, choose, inference, int8_rows, native_bf16, row_affine, training
 from test_generation import _collect
 
 
@@ -54,6 +55,27 @@ def test_int8_rows_worked_example():
     q, s = int8_rows(torch.tensor([[0.5, -1.27], [0.0, 0.0]]))
     assert q.tolist() == [[50, -127], [0, 0]] and q.dtype == torch.int8
     torch.testing.assert_close(s, torch.tensor([0.01, 0.0]))
+    W = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
+    x = torch.tensor([[3.0, 5.0], [2.0, 2.0]])
+    assert row_affine(lambda v: v @ W.T, W.sum(1), x).tolist() == (x @ W.T).tolist() == [[13.0, -5.0], [6.0, -2.0]]
+    import doctest
+    assert doctest.testmod(precision).failed == 0
+
+
+def test_int8_row_keeps_its_steps_beside_a_row_of_large_values():
+    """The int8 kernel quantizes its whole input on one scale; a row of 100x larger values in the same batch
+    (another request, a padding position) would make a row's steps 100x coarser. Mapped per row, its numbers
+    beside that row are the ones it gets alone."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32)
+    x, loud = torch.randn(1, 64), 100 * torch.randn(1, 64)
+    with torch.no_grad():
+        ref = lin(x)
+        with Inference("int8"):
+            alone, quiet, beside = lin(x), lin(torch.cat([x, -x]))[:1], lin(torch.cat([x, loud]))[:1]
+    assert 0 < ((alone - ref).norm() / ref.norm()).item() < 0.02
+    assert torch.equal(beside, quiet)                  # the same numbers whatever the other row holds
+    assert ((beside - ref).norm() / ref.norm()).item() < 0.02
 
 
 def test_onednn_fp32_equals_plain_gpt2_logits_and_decoding():
@@ -146,7 +168,7 @@ def test_narrow_precisions_close_to_fp32(precision, tol, max_kl):
 
 
 def test_int8_sentence_embeddings_of_minilm_match_fp32(data_dir):
-    """all-MiniLM-L6-v2 (real weights) on 100 real sentences: weight-only int8 mean-pooled embeddings have
+    """all-MiniLM-L6-v2 (real weights) on 100 real sentences: int8 mean-pooled embeddings have
     cosine >= 0.99 with fp32's (the issue's quality bar); the benchmark prints the full figures."""
     from conftest import minilm_dir
     from duolm.checkpoint import load

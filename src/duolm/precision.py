@@ -22,8 +22,11 @@ updates weights in place without bumping it.)
     per process), fp32 stays on F.linear.
   * "bf16": a bf16 copy of the weight, packed for oneDNN; the input cast to bf16, the output back to fp32.
   * "int8": dynamic quantization, as CTranslate2's int8: the weight symmetric per output row (w ~= q * scale,
-    |q| <= 127, int8_rows), each input quantized to uint8 on the fly (one scale and zero point per call),
-    products summed in int32 by the x86 int8 kernels (VNNI where the CPU has it), output fp32.
+    |q| <= 127, int8_rows), each input quantized to uint8 on the fly, products summed in int32 by the x86 int8
+    kernels (VNNI where the CPU has it), output fp32. The kernel takes one scale and zero point for the whole
+    input, so each row is first mapped onto [0, 1] by its own min and max and the output mapped back
+    (row_affine): every row gets all 256 steps, whatever the other rows hold (an outlier token, padding,
+    another request of the batch).
 
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream
 and the KV cache stay fp32 in every mode; embedding lookups read the fp32 table. Modes are per thread (as autocast is): a worker thread enters its own.
@@ -96,7 +99,7 @@ def inference(precision: str, device):
     if device.type == "cpu":
         return Inference(precision)
     if precision == "int8":
-        raise ValueError(f"precision int8 (weight-only, aten's CPU kernel) runs on the CPU only, not {device}")
+        raise ValueError(f"precision int8 (the x86 quantized kernels) runs on the CPU only, not {device}")
     return training(precision, device)
 
 
@@ -131,15 +134,32 @@ def _int8_form(w):
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
                                                       torch.zeros(len(q), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
+    return torch.ops.quantized.linear_prepack(qw, None), (q.float() * scale[:, None]).sum(1)
 
 
 # Without VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
 _REDUCE_RANGE = not torch.cpu._is_vnni_supported()
 
 
-def _linear_int8(x, packed, bias):
-    y = torch.ops.quantized.linear_dynamic(x.contiguous(), packed, _REDUCE_RANGE)
+def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for f(v) = v @ W.T, computed as f((x - lo) / span) * span + lo * row_sums, with lo and span the
+    min and max - min of each row of x (span 1 for a constant row) and row_sums = W.sum(1): every row enters f
+    on [0, 1]. A single row goes in as it is.
+
+    >>> W = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
+    >>> row_affine(lambda v: v @ W.T, W.sum(1), torch.tensor([[3.0, 5.0], [2.0, 2.0]])).tolist()
+    [[13.0, -5.0], [6.0, -2.0]]
+    """
+    if x.numel() == x.shape[-1]:
+        return f(x)
+    lo, hi = x.aminmax(dim=-1, keepdim=True)
+    span = torch.where(hi > lo, hi - lo, 1.0)
+    return torch.addcmul(lo * row_sums, f((x - lo) / span), span)
+
+
+def _linear_int8(x, form, bias):
+    packed, row_sums = form
+    y = row_affine(lambda v: torch.ops.quantized.linear_dynamic(v.contiguous(), packed, _REDUCE_RANGE), row_sums, x)
     return y if bias is None else y + bias
 
 

@@ -43,7 +43,7 @@ def add_precision(parser) -> None:
     from duolm.precision import PRECISIONS
 
     parser.add_argument("--precision", choices=PRECISIONS, default="auto",
-                        help="matmul arithmetic: fp32 exact (auto), or weight-only bf16 / int8 on CPU (faster, "
+                        help="matmul arithmetic: fp32 exact (auto), or bf16 / int8 matmuls on CPU (faster, "
                              "slightly different numbers)")
 
 
