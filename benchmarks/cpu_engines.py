@@ -91,8 +91,8 @@ def _convert(folder: Path):
 
 
 class Isolated:
-    """A CTranslate2 model ("Generator" or "Encoder") in a process of its own: `call(method, *args)` runs
-    model.method(*args) there and returns what `pick` (a function of this module) makes of its result."""
+    """A CTranslate2 model ("Generator" or "Encoder") in a process of its own: `call(method, pick, *args)` runs
+    model.method(*args) there and returns pick(result) (a module-level function; None: nothing comes back)."""
 
     def __init__(self, kind: str, path: Path, compute_type: str, threads: int):
         import multiprocessing as mp
@@ -102,7 +102,7 @@ class Isolated:
         self.proc = ctx.Process(target=_serve, args=(child, kind, str(path), compute_type, threads), daemon=True)
         self.proc.start()
 
-    def call(self, method: str, pick: str, *args, **kwargs):
+    def call(self, method: str, pick, *args, **kwargs):
         self.conn.send((method, pick, args, kwargs))
         ok, out = self.conn.recv()
         if not ok:
@@ -122,7 +122,8 @@ def _serve(conn, kind, path, compute_type, threads):
     while (msg := conn.recv()) is not None:
         method, pick, args, kwargs = msg
         try:
-            conn.send((True, globals()[pick](getattr(model, method)(*args, **kwargs))))
+            out = getattr(model, method)(*args, **kwargs)
+            conn.send((True, None if pick is None else pick(out)))
         except Exception as e:                                       # noqa: BLE001 - reported to the caller
             conn.send((False, repr(e)))
 
@@ -133,10 +134,6 @@ def _ids(results):
 
 def _states(out):
     return np.asarray(out.last_hidden_state)
-
-
-def _nothing(out):
-    return None
 
 
 def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
@@ -158,7 +155,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
 
     def ctranslate(q):
         def run():
-            out = ct2[q].call("generate_batch", "_ids", ct2_prompts, max_length=new, min_length=new, sampling_topk=1,
+            out = ct2[q].call("generate_batch", _ids, ct2_prompts, max_length=new, min_length=new, sampling_topk=1,
                               include_prompt_in_result=False)
             assert all(len(r) == new for r in out)
             return out
@@ -197,7 +194,7 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
         with torch.inference_mode(), fp32:
             return ours(idx)[0]
 
-    def ct2(pick="_nothing"):                  # the timed calls send nothing back
+    def ct2(pick=None):                        # the timed calls send nothing back
         return enc.call("forward_batch", pick, tokens if tokens is not None else idx.tolist())
 
     def hf():
@@ -205,7 +202,7 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
             return bert_hf(idx).last_hidden_state
 
     # the same weights give the same states (a check that the engines computed the same thing); also the warm-up
-    a, b, c = duolm(), torch.as_tensor(ct2("_states")), hf()
+    a, b, c = duolm(), torch.as_tensor(ct2(_states)), hf()
     diffs = {"CTranslate2": (b - a).abs().max().item(), "transformers": (c - a).abs().max().item()}
     engines = {"duolm fp32": duolm, "CTranslate2 fp32": ct2, "transformers fp32": hf}
     times = _rounds(engines, rounds)

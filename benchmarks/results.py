@@ -71,9 +71,9 @@ TASKS = {
     "sst2": Spec("SST-2", "sst2", {"data": "glue/SST-2"}, GLUE_SPLIT, reference="sequence"),
     "squad": Spec("SQuAD v1.1, held-out articles", "squad", {"train": "squad/dev-v1.1-articles-01-24.json"},
                   {"dev_fraction": 0.125}, epochs=2.0, grid=(5e-5,)),
-    # BERT's "maximal document context" is its 512-piece window; on this CPU that costs ~20x a sentence run
-    # (~2 hours per seed), so the window here is the sentence recipe's 128 pieces (~5x; still ~100 pieces of
-    # neighbouring sentences around an average sentence of ~20)
+    # BERT's "maximal document context" is its 512-piece window: every example filled to 512 pieces, 4x the tokens
+    # of the 128-piece window and longer attention, too slow for three seeds on this CPU; here the window is the
+    # sentence recipe's 128 pieces, a sentence with its neighbours around it
     "conll-document": Spec("CoNLL-2003 NER, document context (128-piece window)", "conll2003", {"data": "conll2003"},
                            {"context": "document", "max_length": 128}, grid=(5e-5,)),
 }
