@@ -10,10 +10,11 @@ first, plus a matmul probe; we report medians over rounds. Threads: 2 (torch.set
 Prints the CPU, its bf16 support and the load average at the start.
 
 Sides, by --precision (each row names its precision):
-  fp32  training: duolm fp32 vs transformers fp32.
+  fp32  training: duolm inside duolm.precision.training("fp32", "cpu") (the Training mode of `duolm pretrain` /
+        `finetune`: oneDNN linears where they win, faster dropout masks), duolm plain, transformers fp32.
         inference: duolm inside duolm.precision.Inference("fp32") (oneDNN on packed weights, the
         path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear, MKL), transformers fp32.
-  bf16  training: duolm under duolm.precision.training("bf16", "cpu") vs transformers under
+  bf16  training: duolm under duolm.precision.training("bf16", "cpu") (autocast + faster dropout) vs transformers under
         torch.autocast("cpu", dtype=torch.bfloat16) (the same autocast), and vs transformers fp32.
         inference: duolm inside Inference("bf16") (bf16 weights, fp32 activations) vs transformers
         under bf16 autocast, and vs transformers fp32.
@@ -72,7 +73,8 @@ def sides(precision: str, train: bool, ours, theirs) -> dict:
     plain = contextlib.nullcontext
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
     if precision == "fp32" and train:
-        return {"duolm fp32": ours(plain), "transformers fp32": theirs(plain)}
+        return {"duolm fp32 Training": ours(lambda: training("fp32", "cpu")), "duolm plain fp32": ours(plain),
+                "transformers fp32": theirs(plain)}
     if precision == "fp32":
         engine = Inference("fp32")
         return {f"duolm Inference(fp32) [{engine.engine}]": ours(lambda: engine), "duolm plain fp32 [mkl]": ours(plain),

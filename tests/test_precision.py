@@ -3,6 +3,7 @@ heads, weights that change), bf16 / int8 matmuls against fp32, bf16 training (au
 the choice of "auto", and the precision a run records and resumes under."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import doctest
 import json
@@ -16,7 +17,8 @@ from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm import precision as precision_module
-from duolm.precision import Inference, choose, inference, int8_rows, native_bf16, training
+from duolm.precision import (Inference, Training, choose, dropout_keep, inference, int8_rows, native_bf16,
+                             training)
 from test_generation import _collect
 
 
@@ -237,3 +239,124 @@ def test_run_records_its_precision_and_resumes_only_under_it(tmp_path):
     with pytest.raises(ValueError, match=f"trained in {chosen}"):
         train(_gpt2().train(), CAUSAL_LM, Batches(), dataclasses.replace(cfg, max_steps=4, precision=other), tmp_path,
               resume=True, tensorboard=False)
+
+
+def _loss_and_grads(model, loss_of, mode):
+    model.zero_grad(set_to_none=True)
+    with mode:
+        loss = loss_of()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_training_onednn_linear_equals_plain_losses_and_gradients():
+    """fp32 training through oneDNN (Training's linear: forward and input gradient on oneDNN, weight gradient on
+    MKL) gives the plain path's loss and every parameter's gradient, for both families (heads included)."""
+    from duolm.objectives import causal_lm_loss
+
+    gpt = _gpt2().train()
+    x = torch.randint(0, 97, (3, 25))
+    bert = _bert().train()
+    clf = attach_head(bert, HeadConfig(kind="classify", task="t", labels=["a", "b", "c"]), 0.0).train()
+    idx = torch.randint(5, 120, (3, 17))
+    mask = torch.ones_like(idx)
+    mask[2, 10:] = 0
+    y = torch.tensor([0, 2, 1])
+    cases = [(gpt, lambda: causal_lm_loss(gpt(x[:, :-1]), {"y": x[:, 1:]})[0]),
+             (clf, lambda: F.cross_entropy(clf(idx, torch.zeros_like(idx), mask), y))]
+    for model, loss_of in cases:
+        ref_loss, ref = _loss_and_grads(model, loss_of, contextlib.nullcontext())
+        fast = Training("fp32", engine="onednn")
+        assert fast.linear
+        loss, got = _loss_and_grads(model, loss_of, fast)
+        torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+        assert got.keys() == ref.keys() and len(got) == len(list(model.parameters()))
+        for name in ref:
+            torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_dropout_keep_drops_p_and_keeps_the_mean():
+    torch.manual_seed(0)
+    keep, scale = dropout_keep((1000, 1000), 0.1)
+    p = 6554 / 65536                                   # 0.1 to 1/65536 (dropout_cut's worked example)
+    assert keep.dtype == torch.bool and scale == 1 / (1 - p)
+    assert abs((~keep).float().mean().item() - p) < 5 * (p * (1 - p) / 1e6) ** 0.5
+    # both 16-bit halves of a 32-bit draw are fair and independent: at p = 0.5 an element keeps its sign bit
+    torch.manual_seed(1)
+    low, high = dropout_keep((500_000, 2), 0.5)[0].float().unbind(1)
+    for share in (low.mean(), high.mean(), (low == high).float().mean()):
+        assert abs(share.item() - 0.5) < 0.003           # 4 standard deviations
+    torch.manual_seed(0)
+    assert torch.equal(dropout_keep((1000, 1000), 0.1)[0], keep)        # torch's generator: reproducible
+
+
+def test_training_dropout_is_keep_times_scale_forward_and_backward():
+    """F.dropout (nn.Dropout) inside Training: y = x * keep * scale with the mask dropout_keep draws from the same
+    generator state, gradient keep * scale; off in eval mode, p = 0 untouched."""
+    x = torch.randn(4, 7, 33, requires_grad=True)
+    drop = torch.nn.Dropout(0.25)
+    torch.manual_seed(5)
+    with Training("fp32"):
+        y = drop(x)
+    torch.manual_seed(5)
+    keep, scale = dropout_keep(x.shape, 0.25)
+    assert 0 < keep.sum() < keep.numel()
+    torch.testing.assert_close(y, x.detach() * keep * scale, atol=0, rtol=0)
+    y.backward(torch.ones_like(y))
+    torch.testing.assert_close(x.grad, keep * scale * torch.ones_like(x), atol=0, rtol=0)
+    with Training("fp32"):
+        assert torch.equal(drop.eval()(x), x) and torch.equal(F.dropout(x, 0.0), x)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "causal", "float"])
+def test_training_attention_with_dropout_is_sdpa_math_with_the_drawn_mask(mask_kind):
+    """SDPA with dropout inside Training: softmax(q k^T / sqrt(d) + mask) with dropout_keep's mask, times v — the
+    math PyTorch's CPU SDPA runs with dropout on, here with the faster mask; without dropout SDPA itself."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+    kwargs = {"none": {}, "causal": {"is_causal": True},
+              "bool": {"attn_mask": torch.rand(2, 1, 1, 6) > 0.3},
+              "float": {"attn_mask": torch.randn(2, 1, 6, 6)}}[mask_kind]
+    torch.manual_seed(7)
+    with Training("fp32"):
+        got = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, **kwargs)
+        plain = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    torch.manual_seed(7)
+    keep, scale = dropout_keep((2, 3, 6, 6), 0.2)
+    att = q @ k.transpose(-2, -1) / 8 ** 0.5
+    if mask_kind == "bool":
+        att = att.masked_fill(~kwargs["attn_mask"], float("-inf"))
+    elif mask_kind == "causal":
+        att = att.masked_fill(~torch.ones(6, 6, dtype=torch.bool).tril(), float("-inf"))
+    elif mask_kind == "float":
+        att = att + kwargs["attn_mask"]
+    want = (att.softmax(-1) * keep * scale) @ v
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(plain, F.scaled_dot_product_attention(q, k, v, **kwargs), atol=0, rtol=0)
+    torch.testing.assert_close(plain, att.softmax(-1) @ v, atol=1e-6, rtol=1e-5)    # the same formula
+
+
+def test_fp32_engine_is_a_rule_by_vendor(monkeypatch):
+    """oneDNN on x86 CPUs not made by Intel (MKL's slower paths there), MKL on Intel's: the same answer in every
+    process, so a resumed run and its evaluations compute the same numbers."""
+    monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
+    for vendor, engine in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn")):
+        monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
+        assert precision_module.fp32_engine() == engine
+    monkeypatch.setattr(precision_module.platform, "machine", lambda: "aarch64")
+    assert precision_module.fp32_engine() == "mkl"
+
+
+def test_training_attention_with_dropout_under_bf16_autocast():
+    """Under training("bf16"): bf16 out, as SDPA under autocast, and the fp32 formula's numbers to bf16's precision
+    (the softmax is taken in fp32)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 6, 8) for _ in range(3))
+    torch.manual_seed(7)
+    with training("bf16", "cpu"):
+        got = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    torch.manual_seed(7)
+    with Training("fp32"):
+        want = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.05, rtol=0.02)

@@ -1,14 +1,15 @@
 """Which arithmetic runs the matmuls: exact fp32 through the CPU's fastest kernels, bf16 autocast for
 training where the device computes bf16 natively, bf16 weights or int8 matmuls for inference.
 
-    with training("auto", device):        # bf16 autocast where native (CUDA, AVX512-BF16, AMX), else fp32
-        loss = objective(model(x), batch)
+    with training("auto", device):        # bf16 autocast where native (CUDA, AVX512-BF16, AMX), else fp32;
+        loss = objective(model(x), batch) # on CPU inside Training: oneDNN linears, faster dropout masks
     with Inference("fp32"):               # the same numbers through oneDNN on CPU, weights packed once
         logits = model(idx)
     with Inference("int8"):               # int8 weights and matmuls: 1 byte per weight read, other numbers
         generate(model, prompts, 64)
 
-Like autocast, both wrap the model from outside: the models call F.linear and never know. Inference
+Like autocast, both wrap the model from outside: the models call F.linear and never know. Training (the
+end of this file) does the same for a training forward with autograd on. Inference
 is a torch function mode that catches F.linear under no_grad (every nn.Linear, GPT-2's tied output
 layer, BERT's MLM decoder) and runs it on a form of the weight made on first use and kept as long as the
 Inference object: it takes the weights as constant (a generation, an evaluation, a server's lifetime), so
@@ -18,8 +19,8 @@ updates weights in place without bumping it.)
   * "fp32": oneDNN's linear on a weight packed into its blocked layout. The same dot products in
     another order (within ~1e-6 of F.linear); PyTorch's fp32 F.linear goes to MKL, whose kernels on
     this project's AMD EPYC reach about half of oneDNN's for the few-row matmuls of decoding
-    (benchmarks/cpu_engines.py). Where MKL is the faster of the two (`fp32_engine()` measures once
-    per process), fp32 stays on F.linear.
+    (benchmarks/cpu_engines.py). On Intel CPUs, where MKL is the fast path (`fp32_engine()`), fp32 stays on
+    F.linear.
   * "bf16": a bf16 copy of the weight, packed for oneDNN; the input cast to bf16, the output back to fp32.
   * "int8": dynamic quantization, as CTranslate2's int8: the weight symmetric per output row (w ~= q * scale,
     |q| <= 127, int8_rows), each input quantized to uint8 on the fly, products summed in int32 by the x86 int8
@@ -35,8 +36,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import platform
-import time
 import warnings
 
 import torch
@@ -61,13 +62,18 @@ def native_bf16(device) -> bool:
 def machine() -> dict:
     """What a measurement ran on: {"cpu": the model name, "native_bf16": bool, "threads": torch's intra-op
     threads} (benchmarks print it; result files record it)."""
-    name = platform.processor() or platform.machine()
+    name = _cpuinfo("model name") or platform.processor() or platform.machine()
+    return {"cpu": name, "native_bf16": native_bf16("cpu"), "threads": torch.get_num_threads()}
+
+
+@functools.cache
+def _cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id"), None where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), None)
     except OSError:
-        pass
-    return {"cpu": name, "native_bf16": native_bf16("cpu"), "threads": torch.get_num_threads()}
+        return None
 
 
 def choose(precision: str, device, training: bool) -> str:
@@ -82,13 +88,18 @@ def choose(precision: str, device, training: bool) -> str:
     return "bf16" if training and native_bf16(device) else "fp32"
 
 
-def training(precision: str, device):
-    """The context a training or validation forward runs in: bf16 autocast (weights, optimizer state
-    and losses stay fp32) or nothing. `precision` as chosen by choose()."""
+@contextlib.contextmanager
+def training(precision: str, device, kernels: bool = True):
+    """The context a training forward runs in: bf16 autocast (weights, optimizer state and losses stay fp32)
+    or none, and on CPU the Training mode (its faster linear and dropout) unless `kernels` is False (a
+    torch.compile'd model makes its own). `precision` as chosen by choose()."""
     device = torch.device(device)
-    if precision == "bf16":
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    with contextlib.ExitStack() as stack:
+        if precision == "bf16":
+            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
+        if kernels and device.type == "cpu":
+            stack.enter_context(Training(precision))
+        yield
 
 
 def inference(precision: str, device):
@@ -180,34 +191,30 @@ _FORMS = {
 }
 
 
-@functools.cache
-def fp32_engine(rows: tuple = (1, 8, 256), n_in: int = 768, n_out: int = 3072, repeats: int = 5) -> str:
-    """"onednn" if oneDNN's linear on a packed weight beats F.linear (MKL) on this CPU by more than 10%, summed
-    over decoding-sized and prefill-sized matmuls (best of `repeats` each), else "mkl". Measured once per
-    process; a ~(n_in x n_out) weight is what GPT-2 and BERT blocks multiply. The margin keeps the choice
-    (and so the last bits of the numbers) the same from one process to the next on a given CPU."""
-    if not torch.backends.mkldnn.is_available():
+def fp32_engine() -> str:
+    """"onednn" on x86 CPUs not made by Intel, else "mkl" (plain F.linear). PyTorch's fp32 F.linear calls MKL, which
+    on other vendors' CPUs takes slower code paths: on this project's AMD EPYC oneDNN is faster for decoding's
+    few-row matmuls (benchmarks/cpu_engines.py, benchmarks/models.py print both), while on Intel CPUs MKL is the
+    fast path and stays. A rule rather than a timing, so that every process on a machine makes the same choice
+    and a resumed run, an evaluation and a server compute the same numbers bit for bit."""
+    if not torch.backends.mkldnn.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
         return "mkl"
-    w = torch.randn(n_out, n_in)
-    packed = _pack_onednn(w)
-    spent = {"mkl": 0.0, "onednn": 0.0}
-    for m in rows:
-        x = torch.randn(m, n_in)
-        for name, f in (("mkl", lambda: F.linear(x, w)), ("onednn", lambda: _linear_fp32(x, packed, None))) * 2:
-            f()
-            best = float("inf")
-            for _ in range(repeats):
-                t = time.perf_counter()
-                f()
-                best = min(best, time.perf_counter() - t)
-            spent[name] += best / 2
-    return "onednn" if spent["onednn"] < spent["mkl"] / 1.1 else "mkl"
+    return "mkl" if _cpuinfo("vendor_id") == "GenuineIntel" else "onednn"
+
+
+def _engine(precision: str, engine: str | None) -> str | None:
+    """An fp32 mode's engine: as given, or fp32_engine()'s when None (other precisions use none)."""
+    if precision == "fp32" and engine is None:
+        engine = fp32_engine()
+    if engine not in (None, "onednn", "mkl"):
+        raise ValueError(f"engine {engine!r} is not one of ('onednn', 'mkl')")
+    return engine
 
 
 class Inference(TorchFunctionMode):
     """Runs F.linear on CPU under no_grad in `precision` ("fp32", "bf16", "int8"; see the module
     docstring); anything else (autograd, autocast regions, other devices, other dtypes) as usual.
-    engine: for "fp32", "onednn" or "mkl" (F.linear unchanged); None measures once (fp32_engine).
+    engine: for "fp32", "onednn" or "mkl" (F.linear unchanged); None: fp32_engine()'s choice.
     Enter it in the thread that runs the model: `with Inference("int8"): ...`. One instance can be entered
     again and by several threads at once, which share its weight forms (made once, kept while it lives): the
     weights must not change during its life."""
@@ -216,12 +223,8 @@ class Inference(TorchFunctionMode):
         super().__init__()
         if precision not in _FORMS:
             raise ValueError(f"inference precision {precision!r} is not one of {tuple(_FORMS)}")
-        if precision == "fp32" and engine is None:
-            engine = fp32_engine()
-        if engine not in (None, "onednn", "mkl"):
-            raise ValueError(f"engine {engine!r} is not one of ('onednn', 'mkl')")
         self.precision = precision
-        self.engine = engine
+        self.engine = engine = _engine(precision, engine)
         self.active = not (precision == "fp32" and engine == "mkl")
         self.make, self.linear = _FORMS[precision]
         self.forms = {}                      # id(weight) -> (data_ptr, form)
@@ -246,4 +249,108 @@ class Inference(TorchFunctionMode):
             if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2
                     and not torch.is_autocast_enabled("cpu")):
                 return self.linear(x, self.form(w), bias)
+        return func(*args, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# training kernels (CPU)
+
+def dropout_cut(p: float) -> tuple[int, float]:
+    """Dropout from 16 random bits per element: an element is kept when its bits, read as an int16, are at
+    least `cut`, and kept values are multiplied by `scale` so their mean is the input's. The probability of
+    dropping is p rounded to a multiple of 1/65536.
+
+    >>> dropout_cut(0.1)                # 6554 of the 65536 values (-32768 .. -26215) drop: p = 0.100006
+    (-26214, 1.1111186463666882)
+    """
+    drop = round(p * 65536)
+    return drop - 32768, 65536 / (65536 - drop)
+
+
+def dropout_keep(shape, p: float) -> tuple[torch.Tensor, float]:
+    """(keep, scale): a bool mask of `shape` and the factor for kept values (dropout_cut), its bits drawn
+    from torch's generator (so torch.manual_seed reproduces it and a resumed run continues it) two elements
+    per 32-bit draw, where F.dropout on CPU draws a Bernoulli variate per element (several times slower)."""
+    n = math.prod(shape)
+    bits = torch.randint(-2**31, 2**31, ((n + 1) // 2,), dtype=torch.int32).view(torch.int16)[:n]
+    cut, scale = dropout_cut(p)
+    return (bits >= cut).view(shape), scale
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    keep, scale = dropout_keep(x.shape, p)
+    return torch.where(keep, x, 0.0).mul_(scale)
+
+
+def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """F.scaled_dot_product_attention written out (its math path, as PyTorch runs it on CPU whenever dropout is
+    on), with _dropout on the attention weights."""
+    if enable_gqa:
+        raise NotImplementedError("grouped-query attention: GPT-2 and BERT do not use it")
+    att = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        attn_mask = torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        att = att.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        att = att + attn_mask
+    att = torch._safe_softmax(att.float(), -1)          # fp32 under autocast too; a row with every key masked
+                                                        # attends to nothing, as in SDPA
+    return _dropout(att, dropout_p) @ v
+
+
+class _LinearOneDNN(torch.autograd.Function):
+    """y = x W^T + b, its forward and the input's gradient through oneDNN (on the weight as it is: packing each
+    step would cost more than it saves), the weight's gradient through MKL: on this project's AMD EPYC each the
+    faster of the two for training's matmuls (benchmarks/models.py)."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        return _linear_onednn(x, w, b, "none", [], "")
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = _linear_onednn(dy, w.t(), None, "none", [], "") if ctx.needs_input_grad[0] else None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return dx, dw, db
+
+
+class Training(TorchFunctionMode):
+    """Faster CPU kernels for a training forward, the numbers those of the plain path up to summation order
+    and the dropout masks' random bits:
+      * F.linear with autograd in fp32 (engine "onednn", as fp32_engine() picks it for inference): _LinearOneDNN.
+        Under bf16 autocast PyTorch's linear already runs on oneDNN and is left alone.
+      * dropout, F.dropout's and scaled-dot-product attention's: masks from dropout_keep (p to 1/65536).
+    training(precision, device) enters it; anything else (no autograd, other devices) runs as usual."""
+
+    def __init__(self, precision: str = "fp32", engine: str | None = None):
+        super().__init__()
+        if precision not in TRAINING[1:]:
+            raise ValueError(f"training precision {precision!r} is not one of {TRAINING[1:]}")
+        self.linear = precision == "fp32" and _engine(precision, engine) == "onednn"
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and self.linear and torch.is_grad_enabled():
+            x, w = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2
+                    and not torch.is_autocast_enabled("cpu")):
+                return _LinearOneDNN.apply(x, w, bias)
+        elif func is F.dropout:
+            call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
+            x, p = call["input"], call.get("p", 0.5)
+            if call.get("training", True) and not call.get("inplace") and 0 < p < 1 and x.device.type == "cpu":
+                return _dropout(x, p)
+        elif func is F.scaled_dot_product_attention:
+            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args), **kwargs)
+            if call.get("dropout_p", 0.0) > 0 and call["query"].device.type == "cpu":
+                return _attention(call.pop("query"), call.pop("key"), call.pop("value"), **call)
         return func(*args, **kwargs)
