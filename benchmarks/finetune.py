@@ -286,7 +286,7 @@ def fp32_mode() -> Inference:
 
 
 def fp32_predict(model, tok, inputs):
-    """What `duolm predict` runs on CPU: fp32 through oneDNN where it is the faster engine."""
+    """What `duolm predict` runs on CPU: fp32 through oneDNN on non-Intel x86 CPUs (fp32_engine)."""
     with fp32_mode():
         return predict(model, tok, inputs, batch_size=32)
 

@@ -3,8 +3,8 @@
 Same weights on both sides (copied with duolm.convert.hf), a 32-token prompt, 128 new tokens, greedy,
 batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm plain fp32        generate() with no precision mode: PyTorch's F.linear (MKL)
-  duolm Inference(fp32)   inside duolm.precision.Inference("fp32"): oneDNN on packed weights where it is
-                          the faster engine (`duolm generate`'s CPU default); the same ids
+  duolm Inference(fp32)   inside duolm.precision.Inference("fp32"): oneDNN on packed weights on non-Intel x86
+                          CPUs (`duolm generate`'s CPU default); the same ids
   transformers fp32       GPT2LMHeadModel.generate
   duolm Inference(int8)   int8 / bf16 matmuls (`duolm generate --precision int8 / bf16`): narrow
   duolm Inference(bf16)   weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
