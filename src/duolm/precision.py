@@ -30,7 +30,8 @@ updates weights in place without bumping it.)
     another request of the batch).
 
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream
-and the KV cache stay fp32 in every mode; embedding lookups read the fp32 table. Modes are per thread (as autocast is): a worker thread enters its own.
+and the KV cache stay fp32 in every mode; embedding lookups read the fp32 table. Modes are per thread (as autocast
+is): a worker thread enters its own.
 """
 from __future__ import annotations
 
@@ -300,22 +301,22 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
 
 
 class _LinearOneDNN(torch.autograd.Function):
-    """y = x W^T + b, its forward and the input's gradient through oneDNN (on the weight as it is: packing each
-    step would cost more than it saves), the weight's gradient through MKL: on this project's AMD EPYC each the
-    faster of the two for training's matmuls (benchmarks/models.py)."""
+    """y = x W^T + b, its forward and the input's gradient through oneDNN (_linear_fp32 on the weight as it is:
+    packing each step would cost more than it saves), the weight's gradient through MKL: on this project's AMD
+    EPYC each the faster of the two for training's matmuls (benchmarks/models.py)."""
 
     @staticmethod
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return _linear_onednn(x, w, b, "none", [], "")
+        return _linear_fp32(x, w, b)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _linear_onednn(dy, w.t(), None, "none", [], "") if ctx.needs_input_grad[0] else None
+        dx = _linear_fp32(dy, w.t(), None) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None

@@ -277,7 +277,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
         model, device_ids=[device] if device.type == "cuda" else None)
     if cfg.compile:
         fwd = torch.compile(fwd)
-    autocast = lambda: training(precision, device, kernels=not cfg.compile)                  # noqa: E731
+    autocast = lambda: training(precision, device, kernels=not cfg.compile)  # noqa: E731
     exact = lambda: inference("fp32", device)                      # noqa: E731  (anew: the weights have changed)
     params = [p for p in model.parameters() if p.requires_grad]
     sinks = (open_logs(run_dir, start if state else None, tensorboard) if writer else []) + \
