@@ -23,13 +23,18 @@ Ratios are duolm's tokens/s over each other side's, median of the rounds' ratios
 Cases (tokens/s = batch * seq / step time):
   gpt2-train  GPT-2 124M, 4x256: forward, cross-entropy over all positions, backward, AdamW step
   gpt2-infer  GPT-2 124M, 8x256: forward to logits at every position (torch.inference_mode)
-  bert-train  BERT-base BertForPreTraining, 8x128, dropout 0.1: MLM logits at every position (the
-              models' forward; the loss reads the 15% masked ones, labels -100 elsewhere) + NSP,
-              backward, AdamW step. --mlm-masked-only computes the MLM head at the masked
-              positions only, on both sides (same work), as a trainer would.
+  bert-train  BERT-base BertForPreTraining, 8x128, dropout 0.1, 15% of positions masked: MLM + NSP loss,
+              backward, AdamW step. --mlm picks the MLM head's positions:
+                own     (default) each library's own pretraining loss, as its users run it: duolm's
+                        MLM_NSP objective (what `duolm pretrain` runs: the head at the masked positions
+                        alone, as the original implementation) vs transformers' BertForPreTraining(
+                        labels=..., next_sentence_label=...) (the head at every position);
+                all     the head at every position on both sides, the same loss code (same work);
+                masked  the head at the masked positions on both sides (same work).
   bert-infer  BERT-base encoder (hidden states + pooled), 32x128, inference_mode
-Both sides use torch.optim.AdamW(fused=True), HF Trainer's default on torch >= 2.8, and the same
-loss code; HF models run with attn_implementation="sdpa" (their default and fastest here).
+Both sides use torch.optim.AdamW(fused=True), HF Trainer's default on torch >= 2.8, and (but for
+bert-train's --mlm own) the same loss code; HF models run with attn_implementation="sdpa" (their default and
+fastest here).
 
 Roofline: the probe times matmuls of the models' own shapes in the run's precision; "at N%" is duolm's
 achieved FLOP/s over that, with FLOPs/token = 2 * (matmul weights) + attention (GPT-2: causal,
@@ -54,6 +59,7 @@ import torch.nn.functional as F
 
 from duolm.convert import hf as conv
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.objectives import MLM_NSP, mlm_nsp_loss
 from duolm.precision import Inference, fp32_engine, machine, training
 
 try:
@@ -227,7 +233,7 @@ def bert_flops(cfg: BertConfig, T: int, mlm_tokens: float) -> int:
     return body + mlm_tokens * 2 * (C * C + cfg.vocab_size * C)
 
 
-def case_bert_train(precision, rounds, masked_only):
+def case_bert_train(precision, rounds, mlm):
     cfg, ours, theirs = bert_pair(dropout=0.1)
     B, T = 8, 128
     g = torch.Generator().manual_seed(3)
@@ -246,14 +252,20 @@ def case_bert_train(precision, rounds, masked_only):
     def loss_of(mlm, nsp, y):
         return F.cross_entropy(mlm.reshape(-1, mlm.size(-1)), y.reshape(-1)) + F.cross_entropy(nsp, nsp_labels)
 
+    batch = {"idx": x, "segment_ids": seg, "mlm_labels": labels, "nsp_labels": nsp_labels}
+
     def ours_loss():
-        if masked_only:
+        if mlm == "own":
+            return mlm_nsp_loss(MLM_NSP.forward(ours, batch), batch)[0]
+        if mlm == "masked":
             hidden, pooled = ours.bert(x, seg)
             return loss_of(ours.mlm(hidden[sel]), ours.nsp(pooled), x[sel])
         return loss_of(*ours(x, seg), labels)
 
     def theirs_loss():
-        if masked_only:
+        if mlm == "own":
+            return theirs(x, token_type_ids=seg, labels=labels, next_sentence_label=nsp_labels).loss
+        if mlm == "masked":
             out = theirs.bert(x, token_type_ids=seg)
             return loss_of(theirs.cls.predictions(out.last_hidden_state[sel]),
                            theirs.cls.seq_relationship(out.pooler_output), x[sel])
@@ -271,9 +283,9 @@ def case_bert_train(precision, rounds, masked_only):
 
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, cfg.n_inner), (B * T, cfg.n_inner, C), (B * T, C, aligned(cfg.vocab_size))]
-    mlm_tokens = chosen.float().mean().item() if masked_only else 1.0
-    return run_case(f"BERT-base training step {B}x{T} (MLM {'at masked positions' if masked_only else 'at all positions'}"
-                    f" + NSP, fwd+bwd+AdamW, dropout 0.1)",
+    mlm_tokens = 1.0 if mlm == "all" else chosen.float().mean().item()          # duolm's
+    where = {"own": "each library's own loss", "all": "at all positions", "masked": "at masked positions"}[mlm]
+    return run_case(f"BERT-base training step {B}x{T} (MLM {where} + NSP, fwd+bwd+AdamW, dropout 0.1)",
                     sides(precision, True, lambda ctx: step(ours_loss, opt_o, ctx), lambda ctx: step(theirs_loss, opt_t, ctx)),
                     B * T, 3 * bert_flops(cfg, T, mlm_tokens), probe, precision, rounds)
 
@@ -307,7 +319,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cases", default="gpt2-train,gpt2-infer,bert-train,bert-infer")
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--mlm-masked-only", action="store_true")
+    ap.add_argument("--mlm", choices=("own", "all", "masked"), default="own", help="bert-train's MLM positions")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -319,7 +331,7 @@ def main():
     cases = {
         "gpt2-train": lambda: case_gpt2_train(p, r),
         "gpt2-infer": lambda: case_gpt2_infer(p, r),
-        "bert-train": lambda: case_bert_train(p, r, args.mlm_masked_only),
+        "bert-train": lambda: case_bert_train(p, r, args.mlm),
         "bert-infer": lambda: case_bert_infer(p, r),
     }
     results = {}

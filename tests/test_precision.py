@@ -142,6 +142,42 @@ def test_onednn_forms_live_with_the_instance_and_leave_autograd_alone():
         opt.zero_grad()
 
 
+def _rss_mb() -> float:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096 / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set size from Linux's /proc")
+def test_onednn_row_counts_are_bucketed_so_varied_shapes_do_not_grow_memory():
+    """oneDNN keeps ~1 MB for every (rows, weight shape) it has run: over inputs of 480 new row counts the memory
+    would grow by hundreds of MB. Bucketed (onednn_rows), they reuse the buckets a first sweep made, in fp32, bf16
+    and training alike; the padded rows change no result (3-D inputs included)."""
+    w, b = torch.randn(256, 128), torch.randn(256)
+    for precision in ("fp32", "bf16"):
+        mode = Inference(precision, engine="onednn" if precision == "fp32" else None)
+        with torch.no_grad(), mode:
+            for m in range(65, 1025, 2):                           # the first sweep: every bucket
+                F.linear(torch.randn(m, 128), w, b)
+            before = _rss_mb()
+            for m in range(66, 1025, 2):                           # 480 row counts not seen yet
+                x = torch.randn(m, 128)
+                got = F.linear(x, w, b)
+            grew = _rss_mb() - before
+            x3 = torch.randn(3, 37, 128)                           # 111 rows, run as 112
+            for x, y in ((x, got), (x3, F.linear(x3, w, b))):     # bf16: bf16-rounded inputs and product
+                rounded = (lambda t: t) if precision == "fp32" else (lambda t: t.bfloat16().float())
+                torch.testing.assert_close(y - b, rounded(x) @ rounded(w).T, atol=1e-4,
+                                           rtol=0 if precision == "fp32" else 2 ** -7)
+        assert grew < 40, (precision, grew)
+    x = torch.randn(3, 37, 128, requires_grad=True)
+    wp = w.clone().requires_grad_()
+    with Training("fp32", engine="onednn"):
+        y = F.linear(x, wp, b)
+    (y * y).sum().backward()
+    want_x, want_w = torch.autograd.grad((F.linear(x, wp, b) ** 2).sum(), (x, wp))
+    torch.testing.assert_close(x.grad, want_x, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(wp.grad, want_w, atol=1e-3, rtol=1e-4)
+
+
 # int8 also quantizes each matmul's input (per tensor): on this tiny model's large activations that costs more
 @pytest.mark.parametrize("precision,tol,max_kl", [("int8", 0.05, 5e-3), ("bf16", 0.03, 1e-3)])
 def test_narrow_precisions_close_to_fp32(precision, tol, max_kl):

@@ -257,6 +257,58 @@ def test_same_math_as_transformers():
     assert ours == pytest.approx(ref, abs=1e-5, rel=0)
 
 
+
+def test_mlm_nsp_objective_equals_transformers_pretraining_loss_and_gradients():
+    """MLM_NSP runs BERT's MLM head at the masked positions alone (mlm_positions): its loss and every gradient
+    equal transformers' BertForPreTraining(labels=..., next_sentence_label=...), whose head runs everywhere,
+    and the same model's full-logits path; padded rows included."""
+    transformers = pytest.importorskip("transformers")
+    from duolm.convert.hf import bert_config_to_hf, bert_to_hf
+    from duolm.models import BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    ours = BertForPreTraining(BertConfig.preset("tiny", dropout=0.0)).train()
+    hf = transformers.BertForPreTraining(transformers.BertConfig(**bert_config_to_hf(ours.config, heads=True)))
+    hf.load_state_dict(bert_to_hf(ours.state_dict()))
+    hf.train()
+    g = torch.Generator().manual_seed(1)
+    B, T, V = 3, 24, ours.config.vocab_size
+    idx = torch.randint(5, V, (B, T), generator=g)
+    segments = (torch.arange(T) >= T // 2).long().expand(B, T).contiguous()
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[2, 17:] = 0
+    labels = torch.where((torch.rand(B, T, generator=g) < 0.15) & (mask == 1), idx, IGNORE)
+    labels[0, 3] = int(idx[0, 3])                                       # at least one per row
+    batch = {"idx": idx, "segment_ids": segments, "attention_mask": mask, "mlm_labels": labels,
+             "nsp_labels": torch.tensor([0, 1, 1])}
+
+    def grads(model):
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    loss, metrics = mlm_nsp_loss(MLM_NSP.forward(ours, batch), batch)
+    loss.backward()
+    fast = grads(ours)
+    full = ours(idx, segments, mask)
+    assert full[0].shape == (B, T, V)
+    loss_full, _ = mlm_nsp_loss(full, batch)
+    loss_full.backward()
+    plain = grads(ours)
+    ref = hf(input_ids=idx, token_type_ids=segments, attention_mask=mask, labels=labels,
+             next_sentence_label=batch["nsp_labels"]).loss
+    ref.backward()
+    theirs = {n: p.grad for n, p in hf.named_parameters()}
+
+    torch.testing.assert_close(loss, ref, atol=1e-6, rtol=0)
+    torch.testing.assert_close(loss, loss_full, atol=1e-6, rtol=0)
+    assert metrics["mlm_acc"] == mlm_nsp_loss(full, batch)[1]["mlm_acc"]
+    for name, grad in fast.items():
+        torch.testing.assert_close(grad, plain[name], atol=1e-6, rtol=1e-5, msg=name)
+    fast_hf = bert_to_hf(fast)
+    for name, grad in theirs.items():                                   # every transformers parameter
+        torch.testing.assert_close(fast_hf[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
 # --- the real command, in subprocesses: SIGKILL + exact resume, torchrun DDP ----------------------------
 
 @pytest.fixture(scope="module")

@@ -55,15 +55,16 @@ def constant_guess_accuracy(labels) -> float:
 def mlm_nsp_loss(outputs, batch: dict, norm: dict | None = None):
     """BERT pretraining: mean MLM cross-entropy over masked positions + mean NSP cross-entropy (the paper's sum).
 
-    outputs = (mlm_logits (B, T, V), nsp_logits (B, 2)); batch["mlm_labels"] (B, T) original ids at the chosen
-    positions, IGNORE elsewhere; batch["nsp_labels"] (B,) 0 = B follows A, 1 = random B (None: MLM only, RoBERTa).
+    outputs = (mlm_logits, nsp_logits (B, 2)); batch["mlm_labels"] (B, T) original ids at the chosen positions,
+    IGNORE elsewhere; mlm_logits (B, T, V), or (N, V) at the N chosen positions alone (what MLM_NSP's forward
+    asks the model for); batch["nsp_labels"] (B,) 0 = B follows A, 1 = random B (None: MLM only, RoBERTa).
     Metrics: mlm_loss, nsp_loss, mlm_acc (masked positions predicted right), nsp_acc.
     """
     mlm_logits, nsp_logits = outputs
     norm = norm or mlm_nsp_counts(batch)
     labels = batch["mlm_labels"]
     chosen = labels != IGNORE
-    logits = mlm_logits[chosen].float()          # (N, V): only the predicted positions
+    logits = (mlm_logits[chosen] if mlm_logits.dim() == 3 else mlm_logits).float()    # (N, V)
     target = labels[chosen]
     n_mlm = max(norm["mlm"], 1)
     mlm = F.cross_entropy(logits, target, reduction="sum") / n_mlm
@@ -91,5 +92,6 @@ class Objective:
 CAUSAL_LM = Objective(forward=lambda model, b: model(b["x"]), loss=causal_lm_loss, counts=causal_lm_counts,
                       tokens=lambda b: b["x"].numel())
 
-MLM_NSP = Objective(forward=lambda model, b: model(b["idx"], b.get("segment_ids"), b.get("attention_mask")),
+MLM_NSP = Objective(forward=lambda model, b: model(b["idx"], b.get("segment_ids"), b.get("attention_mask"),
+                                                  mlm_positions=b["mlm_labels"] != IGNORE),
                     loss=mlm_nsp_loss, counts=mlm_nsp_counts, tokens=lambda b: b["idx"].numel())

@@ -20,7 +20,8 @@ updates weights in place without bumping it.)
     another order (within ~1e-6 of F.linear); PyTorch's fp32 F.linear goes to MKL, whose kernels on
     this project's AMD EPYC reach about half of oneDNN's for the few-row matmuls of decoding
     (benchmarks/cpu_engines.py). On Intel CPUs, where MKL is the fast path (`fp32_engine()`), fp32 stays on
-    F.linear.
+    F.linear. oneDNN runs a product of m rows on onednn_rows(m) (zero rows added), so that inputs of varied
+    length meet a bounded number of shapes: oneDNN keeps memory for every shape it has run.
   * "bf16": a bf16 copy of the weight, packed for oneDNN; the input cast to bf16, the output back to fp32.
   * "int8": dynamic quantization, as CTranslate2's int8: the weight symmetric per output row (w ~= q * scale,
     |q| <= 127, int8_rows), each input quantized to uint8 on the fly, products summed in int32 by the x86 int8
@@ -118,7 +119,35 @@ def inference(precision: str, device):
 # ---------------------------------------------------------------------------------------------
 # inference kernels
 
-_linear_onednn = torch.ops.mkldnn._linear_pointwise
+def onednn_rows(m: int) -> int:
+    """The row count a oneDNN matmul of m rows runs at: m up to 64, above that m rounded up to a step of an eighth
+    of the power of two below it (at most 12.5% more rows, padding). oneDNN (through PyTorch) keeps about 1 MB
+    for every distinct (rows, weight shape) it has run, in its caches and malloc's untrimmed pages, and never
+    gives it back; a server, an evaluation or fine-tuning on inputs of varied length meets a new row count at
+    almost every batch, so its memory would grow without bound. Bucketed, the row counts are at most 64 + 8
+    per doubling.
+
+    >>> [onednn_rows(m) for m in (1, 64, 65, 100, 128, 129, 1000, 1024, 1025)]
+    [1, 64, 72, 104, 128, 144, 1024, 1024, 1152]
+    """
+    if m <= 64:
+        return m
+    step = 1 << ((m - 1).bit_length() - 4)
+    return -(-m // step) * step
+
+
+def _linear_onednn(x, w, bias):
+    """torch.ops.mkldnn._linear_pointwise(x, w, bias) on onednn_rows() rows: x padded with zero rows, which the
+    result leaves out."""
+    m = x.numel() // x.shape[-1]
+    rows = onednn_rows(m)
+    if rows == m:
+        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
+    padded = x.new_empty(rows, x.shape[-1])
+    padded[:m] = x.reshape(m, -1)
+    padded[m:] = 0
+    y = torch.ops.mkldnn._linear_pointwise(padded, w, bias, "none", [], "")[:m]
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def _pack_onednn(w):
@@ -176,17 +205,13 @@ def _linear_int8(x, form, bias):
 
 
 def _linear_bf16(x, packed, bias):
-    y = _linear_onednn(x.to(torch.bfloat16), packed, None, "none", [], "").float()
+    y = _linear_onednn(x.to(torch.bfloat16), packed, None).float()
     return y if bias is None else y + bias
-
-
-def _linear_fp32(x, packed, bias):
-    return _linear_onednn(x, packed, bias, "none", [], "")
 
 
 # precision -> (weight -> its form, (x, form, bias) -> y)
 _FORMS = {
-    "fp32": (_pack_onednn, _linear_fp32),
+    "fp32": (_pack_onednn, _linear_onednn),
     "bf16": (lambda w: _pack_onednn(w.to(torch.bfloat16)), _linear_bf16),
     "int8": (_int8_form, _linear_int8),
 }
@@ -301,7 +326,7 @@ def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=No
 
 
 class _LinearOneDNN(torch.autograd.Function):
-    """y = x W^T + b, its forward and the input's gradient through oneDNN (_linear_fp32 on the weight as it is:
+    """y = x W^T + b, its forward and the input's gradient through oneDNN (_linear_onednn on the weight as it is:
     packing each step would cost more than it saves), the weight's gradient through MKL: on this project's AMD
     EPYC each the faster of the two for training's matmuls (benchmarks/models.py)."""
 
@@ -309,14 +334,14 @@ class _LinearOneDNN(torch.autograd.Function):
     def forward(ctx, x, w, b):
         ctx.save_for_backward(x, w)
         ctx.has_bias = b is not None
-        return _linear_fp32(x, w, b)
+        return _linear_onednn(x, w, b)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
         dy = dy.contiguous()
-        dx = _linear_fp32(dy, w.t(), None) if ctx.needs_input_grad[0] else None
+        dx = _linear_onednn(dy, w.t(), None) if ctx.needs_input_grad[0] else None
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
