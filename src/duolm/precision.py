@@ -122,10 +122,10 @@ def inference(precision: str, device):
 def onednn_rows(m: int) -> int:
     """The row count a oneDNN matmul of m rows runs at: m up to 64, above that m rounded up to a step of an eighth
     of the power of two below it (at most 12.5% more rows, padding). oneDNN (through PyTorch) keeps about 1 MB
-    for every distinct (rows, weight shape) it has run, in its caches and malloc's untrimmed pages, and never
-    gives it back; a server, an evaluation or fine-tuning on inputs of varied length meets a new row count at
-    almost every batch, so its memory would grow without bound. Bucketed, the row counts are at most 64 + 8
-    per doubling.
+    for every distinct (rows, weight shape) it has run, in its caches and malloc pages it does not give back; a
+    server, an evaluation or fine-tuning on inputs of varied length meets a new row count at almost every batch,
+    and the memory grows with each (by hundreds of MB: tests/test_precision.py). Bucketed, the row counts are at
+    most 64 + 8 per doubling.
 
     >>> [onednn_rows(m) for m in (1, 64, 65, 100, 128, 129, 1000, 1024, 1025)]
     [1, 64, 72, 104, 128, 144, 1024, 1024, 1152]
