@@ -4,7 +4,13 @@
     (duolm: duolm.precision.Inference("fp32"), oneDNN on packed weights; CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8);
-  * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel).
+  * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel);
+  * duolm's fp32 weight layouts: GPT-2's matrices packed for oneDNN in the plain layout (rows hint 1) and the blocked
+    one duolm.precision uses (rows hint 64), timed on 1, 8 and 128 rows.
+
+The process first calls duolm.malloc.keep_freed_memory(), as the `duolm` command does (--default-malloc: glibc's
+defaults); transformers, in the same process, runs under the same setting, CTranslate2 in its own process under
+glibc's defaults.
 
 The engines alternate within each round (A B C A B C ...) and each row reports the median of --rounds
 rounds, then the ratios in the same run. CTranslate2 runs in a process of its own (called in turn, its
@@ -14,7 +20,7 @@ earlier runs of this script compare a slowed duolm and transformers with CTransl
 read bandwidth measured here (a streaming sum over 1 GiB) over the bytes of weights one token reads (every
 matrix once, the tied output layer included). Prints the CPU, its bf16 support and the load average.
 
-    python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--json out.json]
+    python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--default-malloc] [--json out.json]
 """
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ import torch
 
 from duolm.checkpoint import load
 from duolm.generation import generate
-from duolm.precision import Inference, fp32_engine, machine
+from duolm.malloc import keep_freed_memory
+from duolm.precision import Inference, _linear_onednn, _pack_onednn, fp32_engine, machine
 
 PROMPT = 32
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -210,6 +217,24 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     return times, diffs
 
 
+def layout_rows(rounds, rows=(1, 8, 128), copies=12):
+    """Median seconds of an fp32 product through oneDNN on each of GPT-2 124M's matrices, the weight in the plain
+    layout (packed for 1 row) and in the blocked one (packed for 64): {(n, k, m): {"plain": s, "blocked": s}}.
+    A layer's matrix comes in `copies` copies, run in turn, so that it streams from memory as in a model."""
+    torch.manual_seed(0)
+    out = {}
+    for n, k in ((2304, 768), (768, 768), (3072, 768), (768, 3072), (50304, 768)):
+        ws = [torch.randn(n, k) * 0.02 for _ in range(1 if n > 10000 else copies)]
+        forms = {"plain": [_pack_onednn(w, 1) for w in ws], "blocked": [_pack_onednn(w, 64) for w in ws]}
+        for m in rows:
+            x = torch.randn(m, k)
+            runs = {name: (lambda f=f: [_linear_onednn(x, w, None) for w in f]) for name, f in forms.items()}
+            for f in runs.values():
+                f()
+            out[n, k, m] = {name: t / len(ws) for name, t in _rounds(runs, rounds).items()}
+    return out
+
+
 def _rounds(engines: dict, rounds: int) -> dict:
     """Median seconds of each engine over `rounds` rounds, the engines in turn within a round (after a warm-up
     call each: packing, kernel selection, the allocator)."""
@@ -225,13 +250,15 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc at its defaults")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
+    kept = not args.default_malloc and keep_freed_memory()
     torch.set_num_threads(args.threads)
     m = machine()
     print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32 engine: {fp32_engine()}; "
-          f"load average at start: {os.getloadavg()[0]:.2f}")
-    out = {"machine": m, "load_start": os.getloadavg()[0], "decode": {}, "encoder": {}}
+          f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept (duolm.malloc): {kept}")
+    out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "decode": {}, "encoder": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         gpt_hf, bert_hf = save_models(folder)
@@ -260,6 +287,12 @@ def main():
         print(f"  duolm / CTranslate2 {times['CTranslate2 fp32'] / times['duolm fp32']:.2f}x, duolm / transformers "
               f"{times['transformers fp32'] / times['duolm fp32']:.2f}x (hidden states differ by at most "
               + ", ".join(f"{v:.1e} ({k})" for k, v in diffs.items()) + ")")
+    layouts = layout_rows(args.rounds)
+    out["layouts"] = {f"{n}x{k} rows {m}": v for (n, k, m), v in layouts.items()}
+    print(f"\nGPT-2 124M's weights through oneDNN in fp32, plain vs blocked layout, median of {args.rounds} rounds")
+    for (n, k, m), v in layouts.items():
+        print(f"  {n:>5} x {k:<4} {m:>3} rows: plain {1e6 * v['plain']:7.0f} us, blocked {1e6 * v['blocked']:7.0f} us: "
+              f"{v['plain'] / v['blocked']:.2f}x")
     out["load_end"] = os.getloadavg()[0]
     print(f"\nload average at the end: {out['load_end']:.2f}")
     if args.json:

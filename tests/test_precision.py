@@ -119,6 +119,21 @@ def test_onednn_fp32_equals_plain_bert_and_heads():
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_onednn_fp32_packed_weights_equal_plain_at_gpt2_shapes():
+    """GPT-2 124M's matrices in oneDNN's blocked layout (its AVX-512 kernels; tiny models' shapes may take
+    others) at decoding's row counts and a prefill's, a 3-D input and a padded bucket (100 rows run as 104)."""
+    torch.manual_seed(0)
+    fast = Inference("fp32", engine="onednn")
+    for n, k in ((2304, 768), (768, 3072), (50304, 768)):
+        w, b = torch.randn(n, k) * 0.02, torch.randn(n)
+        for shape in ((1, k), (8, k), (100, k), (2, 37, k)):
+            x = torch.randn(shape)
+            with torch.no_grad(), fast:
+                got = F.linear(x, w, b)
+            torch.testing.assert_close(got, F.linear(x, w, b), atol=1e-5, rtol=0)
+    assert len(fast.forms) == 3
+
+
 def test_onednn_forms_live_with_the_instance_and_leave_autograd_alone():
     """The packed forms live as long as the Inference object: one made after an optimizer step (fused AdamW,
     which changes weights in place without bumping their version counters) sees the new weights. With autograd
