@@ -5,6 +5,8 @@
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel);
+  * in the batch-1 rounds, the matrix products of duolm's fp32 decoding alone (every weight once a token, one row,
+    nothing else): the rate duolm would reach if the rest (attention, norms, Python) cost nothing;
   * duolm's fp32 weight layouts: GPT-2's matrices packed for oneDNN in the plain layout (rows hint 1) and the blocked
     one duolm.precision uses (rows hint 64), timed on 1, 8 and 128 rows.
 
@@ -47,6 +49,7 @@ from duolm.malloc import keep_freed_memory
 from duolm.precision import Inference, _linear_onednn, _pack_onednn, fp32_engine, machine
 
 PROMPT = 32
+PRODUCTS = "duolm fp32, products alone"       # batch 1: the matrix products of decoding without the rest
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -179,6 +182,9 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ids = {k: f() for k, f in engines.items()}          # also the warm-up
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
+    if batch == 1:                    # in the same rounds: what duolm's fp32 rate would be with nothing but products
+        engines[PRODUCTS] = token_products(ours, new, fp32)
+        engines[PRODUCTS]()
     times = _rounds(engines, rounds)
     for worker in ct2.values():
         worker.close()
@@ -215,6 +221,20 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     times = _rounds(engines, rounds)
     enc.close()
     return times, diffs
+
+
+def token_products(model, tokens: int, mode):
+    """A function that runs the matrix products of `tokens` batch-1 tokens and nothing else: every linear layer of
+    `model` (GPT-2) and its tied output layer on one row each, inside `mode` (decoding's own path)."""
+    layers = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + [(model.wte.weight, None)]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w, _ in layers}
+
+    def run():
+        with torch.inference_mode(), mode:
+            for _ in range(tokens):
+                for w, b in layers:
+                    torch.nn.functional.linear(xs[w.shape[1]], w, b)
+    return run
 
 
 def layout_rows(rounds, rows=(1, 8, 128), copies=12):
@@ -274,8 +294,8 @@ def main():
             out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
             for k, v in tps.items():
                 extra = f"  ({100 * v / bound:.0f}% of the bound)" if batch == 1 and "fp32" in k else ""
-                print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; greedy ids as transformers': "
-                      f"{100 * same[k]:5.1f}%{extra}")
+                ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else "every weight once a token"
+                print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; {ids}{extra}")
             print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
                   f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm / transformers fp32 "
                   f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x")
