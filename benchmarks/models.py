@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from duolm.convert import hf as conv
-from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.malloc import keep_freed_memory
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
 from duolm.precision import Inference, fp32_engine, machine, training
 
