@@ -42,3 +42,30 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (deselected where there is none, and the run says so)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Without a CUDA device the `cuda` tests are deselected (counted in the summary line, named by
+    pytest_terminal_summary below), never run to a skip or a failure."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda:
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=cuda)
+        config.stash[NO_CUDA] = len(cuda)
+
+
+NO_CUDA = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if NO_CUDA in config.stash:
+        terminalreporter.write_line(f"{config.stash[NO_CUDA]} tests marked cuda deselected: this machine has no CUDA "
+                                    "device (on a GPU machine: pytest -m cuda)")

@@ -1,0 +1,229 @@
+"""duolm on one NVIDIA GPU against transformers: the same model, settings and inputs, timed in one run.
+
+    python benchmarks/gpu.py                                   # every case
+    python benchmarks/gpu.py --cases gpt2-train --rounds 3 --json out.json
+
+Cases (tokens/s; every round times each side once, the order rotated each round; medians of the rounds):
+  gpt2-train  GPT-2 124M, --batch x 1024 tokens, nanoGPT's / llm.c's settings: bf16 autocast, torch.compile, fused
+              SDPA attention, fused AdamW (lr 6e-4, betas 0.9 / 0.95, weight decay 0.1 on the matrices), gradient
+              clipping at 1.0, TF32 for what stays fp32. transformers' GPT2LMHeadModel (attn_implementation="sdpa")
+              the same, with the same loss code. MFU = FLOPs/token x tokens/s over the bf16 matmul peak measured
+              at the start (8192^3), FLOPs/token = 6 N (N: the matrix weights, the tied output layer included) +
+              12 L T C (attention's scores and mixing, forward and backward, as PaLM's appendix counts them).
+  bert-train  BERT-base pretraining step (MLM + NSP, 15% masked, dropout 0.1) at 128 and 512 tokens per sequence,
+              bf16 autocast, torch.compile, fused AdamW: each library's own pretraining loss (duolm's MLM_NSP
+              objective; transformers' BertForPreTraining(labels=, next_sentence_label=)).
+  decode      GPT-2 124M greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64, fp32 (TF32 off), against
+              transformers.generate; the ids of both are compared.
+Ratios are duolm's tokens/s over transformers'. Prints the GPU, torch and transformers versions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch
+import torch.nn.functional as F
+
+from duolm.convert import hf as conv
+from duolm.generation import generate
+from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+from duolm.objectives import MLM_NSP, mlm_nsp_loss
+from duolm.precision import training
+from duolm.train.optim import make_optimizer
+
+import transformers  # noqa: E402  (test/benchmark-only dependency)
+
+transformers.logging.set_verbosity_error()
+CUDA = torch.device("cuda")
+
+
+def sync_time(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t
+
+
+def peak_tflops(n=8192, reps=10) -> float:
+    a, b = (torch.randn(n, n, device=CUDA, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    return 2 * n ** 3 * reps / sync_time(lambda: [a @ b for _ in range(reps)]) / 1e12
+
+
+def interleaved(sides: dict, tokens: int, steps: int, rounds: int) -> dict:
+    """{name: step fn} -> {name: median tokens/s}; each round runs `steps` steps of every side, order rotated."""
+    names = list(sides)
+    rates = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            rates[k].append(tokens * steps / sync_time(lambda: [sides[k]() for _ in range(steps)]))
+        print(f"  round {r + 1}: " + "  ".join(f"{k} {rates[k][-1]:,.0f}" for k in names) + " tok/s", flush=True)
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def train_step(model, loss_of, opt):
+    """One optimizer step: loss_of() under bf16 autocast (compiled), backward, clip 1.0, fused AdamW."""
+    def run():
+        with training("bf16", CUDA, kernels=False):
+            loss = loss_of()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return run
+
+
+def hf_optimizer(model):
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+                             lr=6e-4, betas=(0.9, 0.95), fused=True)
+
+
+def report(name, rates, flops_per_token, peak, compile_s) -> dict:
+    (ours, a), (theirs, b) = rates.items()
+    out = {"case": name, "duolm_tokens_per_s": a, "transformers_tokens_per_s": b, "ratio": a / b,
+           "compile_s": compile_s}
+    line = f"  {ours} {a:,.0f} tok/s, {theirs} {b:,.0f} tok/s: {a / b:.2f}x"
+    if flops_per_token:
+        out.update(duolm_mfu=a * flops_per_token / peak / 1e12, transformers_mfu=b * flops_per_token / peak / 1e12)
+        line += f"; MFU {out['duolm_mfu']:.1%} vs {out['transformers_mfu']:.1%} of {peak:.0f} TFLOP/s"
+    print(line + f" (compile+warm-up {compile_s['duolm']:.0f} s / {compile_s['transformers']:.0f} s)", flush=True)
+    return out
+
+
+def warm(sides: dict, n=3) -> dict:
+    secs = {}
+    for k, fn in sides.items():
+        secs[k] = sync_time(lambda: [fn() for _ in range(n)])
+    return secs
+
+
+def case_gpt2_train(args, peak):
+    torch.manual_seed(0)
+    cfg = GPT2Config.preset("gpt2")
+    ours = GPT2(cfg)
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg),
+                                                                  attn_implementation="sdpa"))
+    theirs.load_state_dict(conv.gpt2_to_hf(ours.state_dict()))
+    ours.to(CUDA).train(), theirs.to(CUDA).train()
+    B, T = args.batch, cfg.block_size
+    x = torch.randint(0, cfg.vocab_size, (B, T + 1), device=CUDA, generator=torch.Generator(CUDA).manual_seed(1))
+
+    def lm_loss(logits):
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), x[:, 1:].reshape(-1))
+
+    f_ours = torch.compile(lambda: lm_loss(ours(x[:, :-1])))
+    f_theirs = torch.compile(lambda: lm_loss(theirs(x[:, :-1]).logits))
+    sides = {"duolm": train_step(ours, f_ours, make_optimizer(ours, 6e-4, 0.1, (0.9, 0.95))),
+             "transformers": train_step(theirs, f_theirs, hf_optimizer(theirs))}
+    print(f"\n== GPT-2 124M training step {B}x{T}, bf16 autocast, compiled", flush=True)
+    compile_s = warm(sides)
+    N = sum(p.numel() for n, p in ours.named_parameters() if p.dim() == 2 and "wpe" not in n)
+    flops = 6 * N + 12 * cfg.n_layer * T * cfg.n_embd
+    return report("gpt2-train", interleaved(sides, B * T, args.steps, args.rounds), flops, peak, compile_s)
+
+
+def case_bert_train(args, peak, T):
+    torch.manual_seed(0)
+    cfg = BertConfig.preset("bert-base", dropout=0.1)
+    ours = BertForPreTraining(cfg)
+    theirs = transformers.BertForPreTraining(transformers.BertConfig(
+        **conv.bert_config_to_hf(cfg, heads=True), attn_implementation="sdpa"))
+    theirs.load_state_dict(conv.bert_to_hf(ours.state_dict()))
+    ours.to(CUDA).train(), theirs.to(CUDA).train()
+    B = args.batch * 1024 // T
+    g = torch.Generator(CUDA).manual_seed(3)
+    x = torch.randint(1000, cfg.vocab_size, (B, T), device=CUDA, generator=g)
+    seg = torch.zeros_like(x)
+    seg[:, T // 2:] = 1
+    chosen = torch.rand(B, T, device=CUDA, generator=g) < 0.15
+    chosen[:, 0] = False
+    labels = torch.where(chosen, x, torch.full_like(x, -100))
+    nsp = torch.randint(0, 2, (B,), device=CUDA, generator=g)
+    batch = {"idx": x, "segment_ids": seg, "mlm_labels": labels, "nsp_labels": nsp}
+    f_ours = torch.compile(lambda: mlm_nsp_loss(MLM_NSP.forward(ours, batch), batch)[0])
+    f_theirs = torch.compile(lambda: theirs(x, token_type_ids=seg, labels=labels, next_sentence_label=nsp).loss)
+    sides = {"duolm": train_step(ours, f_ours, make_optimizer(ours, 1e-4, 0.01, (0.9, 0.999))),
+             "transformers": train_step(theirs, f_theirs, hf_optimizer(theirs))}
+    print(f"\n== BERT-base pretraining step {B}x{T} (MLM + NSP, each library's own loss), bf16 autocast, compiled",
+          flush=True)
+    compile_s = warm(sides)
+    return report(f"bert-train-{T}", interleaved(sides, B * T, args.steps, args.rounds), 0, peak, compile_s)
+
+
+def case_decode(args, peak):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    cfg = GPT2Config.preset("gpt2")
+    ours = GPT2(cfg).eval()
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg),
+                                                                  attn_implementation="sdpa")).eval()
+    theirs.load_state_dict(conv.gpt2_to_hf(ours.state_dict()))
+    ours.to(CUDA), theirs.to(CUDA)
+    new, out = 128, []
+    for B in (1, 64):
+        prompts = torch.randint(0, cfg.vocab_size, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
+
+        def run_ours():
+            with torch.inference_mode():
+                gen = generate(ours, prompts, new, temperature=0)
+                for _ in gen:
+                    pass
+                return gen.tokens
+
+        def run_theirs():
+            ids = torch.tensor(prompts, device=CUDA)
+            with torch.inference_mode():
+                o = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None)
+            return o[:, 32:].tolist()
+
+        same = run_ours() == run_theirs()
+        print(f"\n== GPT-2 124M greedy decoding, batch {B}, 32 + {new} tokens, fp32; same ids: {same}", flush=True)
+        rates = interleaved({"duolm": run_ours, "transformers": run_theirs}, B * new, 1, args.rounds)
+        out.append({**report(f"decode-b{B}", rates, 0, peak, {"duolm": 0, "transformers": 0}), "same_ids": same})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default="gpt2-train,bert-train,decode")
+    ap.add_argument("--batch", type=int, default=16, help="GPT-2 sequences of 1024 per step (BERT: the same tokens)")
+    ap.add_argument("--steps", type=int, default=10, help="training steps per side per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = True                  # nanoGPT's setting for what stays fp32
+    peak = peak_tflops()
+    print(f"{torch.cuda.get_device_name()}; torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", flush=True)
+    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+               "peak_tflops": peak, "cases": []}
+    for case in args.cases.split(","):
+        if case == "gpt2-train":
+            results["cases"].append(case_gpt2_train(args, peak))
+        elif case == "bert-train":
+            results["cases"] += [case_bert_train(args, peak, T) for T in (128, 512)]
+        elif case == "decode":
+            results["cases"] += case_decode(args, peak)
+        else:
+            raise SystemExit(f"unknown case {case!r}")
+        torch.cuda.empty_cache()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
