@@ -11,6 +11,9 @@ times, the servers alternating (duolm, transformers, transformers CB, duolm, ...
 round is kept (on a shared 2-core machine one run can be far off).
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
+    python benchmarks/serve.py --device cuda --clients 1,16,64 --max-concurrency 64 --requests 128   # on a GPU
+
+On a GPU (--device cuda) the servers and the library run there, and `transformers serve` is not run.
 
 With --batch-invariant it also serves the model with `duolm serve --batch-invariant` (every sequence decoded
 alone: bitwise the same numbers at any concurrency) and compares.
@@ -64,7 +67,6 @@ from duolm.generation import generate
 from duolm.models import GPT2, GPT2Config
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-CLIENTS = (1, 4, 16)
 
 
 def free_port() -> int:
@@ -155,6 +157,9 @@ def main():
     ap.add_argument("--scoring", type=int, default=0, metavar="N",
                     help="measure lm-eval-shaped scoring of N LAMBADA passages instead")
     ap.add_argument("--soak", type=int, default=0, metavar="N", help="run the serving soak of N requests instead")
+    ap.add_argument("--device", default="cpu", help="where the servers and the library run (cuda: a GPU)")
+    ap.add_argument("--clients", default="1,4,16", help="the numbers of concurrent clients, comma-separated")
+    ap.add_argument("--max-concurrency", type=int, default=16, help="duolm serve's --max-concurrency")
     args = ap.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory(prefix="duolm-soak-") as tmp:
@@ -174,17 +179,18 @@ def main():
     model = GPT2(GPT2Config.preset("gpt2")).eval()
 
     with tempfile.TemporaryDirectory(prefix="duolm-serve-bench-") as tmp:
-        run_all(args, model, tok, prompts, Path(tmp))
+        run_all(args, model, tok, prompts, Path(tmp), tuple(int(n) for n in args.clients.split(",")))
 
 
-def run_all(args, model, tok, prompts, tmp):
+def run_all(args, model, tok, prompts, tmp, clients):
     duolm.save(model, tmp / "gpt2-124m", tok)
     threads = {"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)}
     servers = [("duolm serve", [sys.executable, "-m", "duolm", "serve", str(tmp / "gpt2-124m"), "--max-concurrency",
-                                "16", "--max-queue", "64"], "gpt2-124m", threads)]
+                                str(args.max_concurrency), "--max-queue", "64", "--device", args.device], "gpt2-124m",
+                threads)]
     if args.batch_invariant:
         servers.append(("duolm serve --batch-invariant", servers[0][1] + ["--batch-invariant"], "gpt2-124m", threads))
-    if not args.no_transformers:
+    if not args.no_transformers and args.device == "cpu":
         try:
             import accelerate  # noqa: F401  (transformers serve needs it on CPU)
             import transformers
@@ -200,11 +206,12 @@ def run_all(args, model, tok, prompts, tmp):
                 servers.append((name, [str(exe), "serve", str(tmp / "hf"), "--device", "cpu", *extra],
                                 str(tmp / "hf"), {"HF_HUB_OFFLINE": "1", **threads}))
             print(f"transformers {transformers.__version__}")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; GPT-2 124M random weights; "
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.device}; GPT-2 124M random weights; "
           f"{len(prompts)} requests of ~{sum(len(tok.encode(p)) for p in prompts) // len(prompts)} prompt tokens "
           f"+ {args.new_tokens} new tokens, greedy; best of {args.rounds} rounds")
 
     best, alone = {}, 0.0
+    model.to(args.device)
     with contextlib.ExitStack() as stack:
         urls = {}
         for name, cmd, model_id, env in servers:
@@ -220,26 +227,27 @@ def run_all(args, model, tok, prompts, tmp):
         for _ in range(args.rounds):
             alone = max(alone, library_alone(model, tok, prompts, args.new_tokens)[0])   # servers idle
             print(f"  library alone: {alone:.1f} tok/s", flush=True)
-            for n in CLIENTS:
+            for n in clients:
                 for name, (url, model_id) in urls.items():       # A B C A B C ...
                     rate, _ = run_clients(url, model_id, prompts, args.new_tokens, n)
                     best[name, n] = max(best.get((name, n), 0.0), rate)
                     print(f"  {name}, {n} client(s): {rate:.1f} tok/s", flush=True)
 
     print(f"\nlibrary alone (generate() per request, no HTTP): {alone:.1f} tok/s")
-    print(f"{'server':<42} " + " ".join(f"{f'{n} client' + ('s' if n > 1 else ''):>11}" for n in CLIENTS)
-          + f" {'16 vs 1':>8}")
+    print(f"{'server':<42} " + " ".join(f"{f'{n} client' + ('s' if n > 1 else ''):>11}" for n in clients)
+          + f" {f'{clients[-1]} vs {clients[0]}':>8}")
     for name, _ in urls.items():
-        rates = [best[name, n] for n in CLIENTS]
+        rates = [best[name, n] for n in clients]
         print(f"{name:<42} " + " ".join(f"{r:>7.1f} t/s" for r in rates) + f" {rates[-1] / rates[0]:>7.2f}x")
-    d = [best["duolm serve", n] for n in CLIENTS]
-    print(f"\nduolm serve, 1 client vs the library alone: {d[0] / alone:.2f}x (HTTP + scheduling overhead)")
-    print(f"duolm serve, aggregate vs one by one: 4 clients {d[1] / d[0]:.2f}x, 16 clients {d[2] / d[0]:.2f}x "
-          f"(target >= 4x at 16)")
+    d = [best["duolm serve", n] for n in clients]
+    print(f"\nduolm serve, {clients[0]} client(s) vs the library alone: {d[0] / alone:.2f}x (HTTP + scheduling "
+          "overhead)")
+    print("duolm serve, aggregate vs one by one: " + ", ".join(
+        f"{n} clients {r / d[0]:.2f}x" for n, r in zip(clients[1:], d[1:])))
     for name in urls:
         if name != "duolm serve":
             print(f"duolm serve vs {name}: " + ", ".join(
-                f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in CLIENTS))
+                f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in clients))
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 
