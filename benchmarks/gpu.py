@@ -7,7 +7,8 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
   gpt2-train  GPT-2 124M, --batch x 1024 tokens, nanoGPT's / llm.c's settings: bf16 autocast, torch.compile, fused
               SDPA attention, fused AdamW (lr 6e-4, betas 0.9 / 0.95, weight decay 0.1 on the matrices), gradient
               clipping at 1.0, TF32 for what stays fp32. transformers' GPT2LMHeadModel (attn_implementation="sdpa")
-              the same, with the same loss code. MFU = FLOPs/token x tokens/s over the bf16 matmul peak measured
+              the same, with the same loss code (duolm's GPT-2 pads its vocabulary to 50,304 rows inside the model, as
+              nanoGPT does; transformers' keeps 50,257). MFU = FLOPs/token x tokens/s over the bf16 matmul peak measured
               at the start (8192^3), FLOPs/token = 6 N (N: the matrix weights, the tied output layer included) +
               12 L T C (attention's scores and mixing, forward and backward, as PaLM's appendix counts them).
   bert-train  BERT-base pretraining step (MLM + NSP, 15% masked, dropout 0.1) at 128 and 512 tokens per sequence,

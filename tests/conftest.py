@@ -44,6 +44,9 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+NO_CUDA = pytest.StashKey[int]()           # how many `cuda` tests were deselected
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA device (deselected where there is none, and the run says so)")
 
@@ -60,9 +63,6 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("cuda")]
         config.hook.pytest_deselected(items=cuda)
         config.stash[NO_CUDA] = len(cuda)
-
-
-NO_CUDA = pytest.StashKey[int]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
