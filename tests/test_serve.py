@@ -1185,15 +1185,17 @@ def test_text_stream_is_the_reference_for_stop_strings():
 
 def test_precision_runs_in_the_worker_thread(gpt2):
     """The served prompt log-probabilities under --precision fp32 (oneDNN) equal the library's under the same
-    Inference mode and are within rounding of plain F.linear; int8 moves them measurably, and still gives a
-    full answer."""
-    from duolm.precision import Inference
+    Inference mode and are within rounding of plain F.linear; "auto" serves GPT-2 exactly as fp32 (as `duolm
+    generate` runs it); int8 moves them measurably, and still gives a full answer."""
+    from duolm.precision import Inference, fp32_engine
 
-    model, tok = gpt2
+    _, tok = gpt2
+    torch.manual_seed(0)          # wide enough that oneDNN's sums round differently from F.linear's
+    model = sharpen(GPT2(GPT2Config(vocab_size=tok.vocab_size, block_size=64, n_layer=2, n_head=2, n_embd=64))).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog because it was")
     body = dict(prompt=ids, max_tokens=1, echo=True, logprobs=1, temperature=0)
     served = {}
-    for precision in ("fp32", "int8"):
+    for precision in ("auto", "fp32", "int8"):
         with TestClient(create_app(model, tok, ServeConfig(precision=precision))) as c:
             r = c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
@@ -1205,4 +1207,7 @@ def test_precision_runs_in_the_worker_thread(gpt2):
     want = lambda lp: lp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]     # noqa: E731
     torch.testing.assert_close(served["fp32"], want(fast), atol=1e-6, rtol=0)
     torch.testing.assert_close(served["fp32"], want(plain), atol=1e-4, rtol=0)
+    assert torch.equal(served["auto"], served["fp32"])
+    if fp32_engine() == "onednn":                 # (on Intel CPUs fp32 is plain F.linear, MKL's fast path)
+        assert not torch.equal(served["auto"], want(plain))
     assert 1e-4 < (served["int8"] - served["fp32"]).abs().max() < 0.5

@@ -43,10 +43,11 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
     name = opts.model_name or "duolm"
     metrics = Metrics(name)
-    # entered by the worker thread, made once; "auto" keeps plain F.linear for now (the answers the library gives
-    # outside a mode, bit for bit; with oneDNN the BERT soak's memory grew 33% over 1,000 requests of varied
-    # shapes, not yet explained), --precision fp32 the same numbers through oneDNN
-    kernels = contextlib.nullcontext() if opts.precision == "auto" else inference(opts.precision, opts.device)
+    # entered by the worker thread, made once. "auto" is exact fp32 on the CPU's fastest kernels (as `duolm generate`)
+    # for GPT-2 and plain F.linear for the encoders: with oneDNN the BERT soak's memory grew 33% over 1,000 requests
+    # of varied shapes (docs/serving.md); --precision fp32 puts them on oneDNN too
+    plain = opts.precision == "auto" and not isinstance(model, GPT2)
+    kernels = contextlib.nullcontext() if plain else inference(opts.precision, opts.device)
     worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant, kernels)
               if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s, kernels))
     admission = Admission(opts.max_concurrency + opts.max_queue)
