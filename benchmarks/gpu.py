@@ -98,7 +98,9 @@ def report(name, rates, flops_per_token, peak, compile_s) -> dict:
     if flops_per_token:
         out.update(duolm_mfu=a * flops_per_token / peak / 1e12, transformers_mfu=b * flops_per_token / peak / 1e12)
         line += f"; MFU {out['duolm_mfu']:.1%} vs {out['transformers_mfu']:.1%} of {peak:.0f} TFLOP/s"
-    print(line + f" (compile+warm-up {compile_s['duolm']:.0f} s / {compile_s['transformers']:.0f} s)", flush=True)
+    if compile_s:
+        line += f" (compile+warm-up {compile_s['duolm']:.0f} s / {compile_s['transformers']:.0f} s)"
+    print(line, flush=True)
     return out
 
 
@@ -192,7 +194,7 @@ def case_decode(args, peak):
         same = run_ours() == run_theirs()
         print(f"\n== GPT-2 124M greedy decoding, batch {B}, 32 + {new} tokens, fp32; same ids: {same}", flush=True)
         rates = interleaved({"duolm": run_ours, "transformers": run_theirs}, B * new, 1, args.rounds)
-        out.append({**report(f"decode-b{B}", rates, 0, peak, {"duolm": 0, "transformers": 0}), "same_ids": same})
+        out.append({**report(f"decode-b{B}", rates, 0, peak, None), "same_ids": same})
     return out
 
 

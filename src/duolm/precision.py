@@ -153,9 +153,8 @@ def _linear_onednn(x, w, bias):
 def _pack_onednn(w, rows: int):
     """w in the layout oneDNN picks for products of `rows` rows; one packing serves every row count. For fp32,
     rows > 1 gives its blocked layout (AB16b64a), read by its AVX-512 kernels whatever the row count, where rows=1
-    keeps the plain layout, which a single row reads with AVX2 code: on this project's AMD EPYC the blocked form
-    runs GPT-2's products 1.1-1.45x faster on 1 row, 1.25-1.4x on 8 and 1.05-1.15x on 128
-    (benchmarks/cpu_engines.py). bf16 weights keep the layout for rows=1 (not timed against the blocked one)."""
+    keeps the plain layout, which a single row reads with AVX2 code (benchmarks/cpu_engines.py times both on
+    GPT-2's matrices). bf16 weights keep the layout for rows=1 (not timed against the blocked one)."""
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
 
