@@ -18,7 +18,7 @@ import torch
 from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, GPT2Config
 from duolm.objectives import CAUSAL_LM, causal_lm_loss
-from duolm.precision import choose, training
+from duolm.precision import autocast, resolve
 from duolm.runs import read_metrics
 from duolm.train import TrainConfig, train
 from test_train import Windows, _losses, _pretrain, _weights, gpt2_data  # noqa: F401  (gpt2_data: a fixture)
@@ -84,14 +84,14 @@ def test_greedy_decoding_on_cuda_equals_cpu():
 def test_bf16_training_on_cuda_tracks_fp32():
     """200 steps of a small GPT-2 through train() in fp32 and in "auto", which on a bf16 GPU is bf16 autocast:
     fp32 weights, the loss curves within 2% of each other at every step."""
-    assert choose("auto", CUDA, training=True) == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
+    assert resolve("auto", CUDA, training=True) == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
     curves = {}
     for precision in ("fp32", "auto"):
         torch.manual_seed(0)
         model = GPT2(GPT2Config(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64)).to(CUDA)
         cfg = TrainConfig(max_steps=200, batch_size=32, lr=1e-3, warmup_steps=10, eval_every=0, precision=precision)
         out = train(model, CAUSAL_LM, Windows(), cfg, tensorboard=False)
-        assert out["precision"] == choose(precision, CUDA, training=True)
+        assert out["precision"] == resolve(precision, CUDA, training=True)
         assert all(p.dtype == torch.float32 for p in model.parameters())
         curves[precision] = torch.tensor(_losses(out["rows"]))
     a, b = curves["fp32"], curves["auto"]
@@ -127,7 +127,7 @@ def test_compiled_fullgraph_model_trains_like_eager():
         losses[name] = []
         for step in range(30):
             batch = {k: v.to(CUDA) for k, v in data.batch(step, 32).items()}
-            with training("bf16", CUDA, kernels=False):
+            with autocast("bf16", CUDA):
                 logits = fwd(batch["x"])
             loss, _ = causal_lm_loss(logits, batch)
             loss.backward()

@@ -277,7 +277,7 @@ def test_bert_masked_lm_checkpoint_has_no_pooler_or_nsp():
 def test_mlm_decoder_is_tied_and_heads_are_separate_modules():
     m = BertForPreTraining(BertConfig.preset("tiny"))
     assert isinstance(m.mlm, BertMLMHead) and isinstance(m.nsp, BertNSPHead)
-    assert m.mlm._wte[0].weight is m.bert.wte.weight
+    assert m.mlm.decoder.weight is m.bert.wte.weight
     assert not any("decoder" in k or k.startswith("mlm.wte") for k in m.state_dict())
     assert m.num_params() == m.bert.num_params() + 64 * 64 + 64 + 2 * 64 + 512 + 64 * 2 + 2
 

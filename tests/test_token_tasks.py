@@ -10,7 +10,6 @@ import torch
 from duolm.checkpoint import load
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.objectives import IGNORE
-from duolm.precision import Inference
 from duolm.tasks import TaskBatches, span, tagging
 from duolm.tasks.span import SpanFeatures, max_context, read_squad, span_features, windows
 from duolm.tasks.tagging import Sentence, read_conll, tag_features, tag_scheme, word_pieces
@@ -305,8 +304,7 @@ def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, cap
     threshold = model.head.null_threshold
     assert isinstance(threshold, float)
     dev = [q for q in questions if q.title == data[4]["title"]]
-    with Inference("fp32"):                               # as the run's validation and `duolm evaluate` compute
-        scores, _ = evaluate(model, tok, Files(data=v2), dev_fraction=0.2)             # x 100, at the same threshold
+    scores, _ = evaluate(model, tok, Files(data=v2), dev_fraction=0.2)      # x 100, at the same threshold, fp32
     assert scores == pytest.approx({k: 100 * v for k, v in res["best"]["metrics"].items()} | {"null_threshold": threshold})
     raw = span.answer_questions(model, tok, dev)
     got = predict(model, tok, [(q.question, q.context) for q in dev])

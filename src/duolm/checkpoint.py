@@ -38,6 +38,7 @@ from duolm.convert import tf as _tf
 from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
 from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, head_model
+from duolm.precision import SWAPPED
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 
 FORMAT = "duolm"
@@ -349,6 +350,9 @@ def save(model, path, tokenizer=None, format="duolm"):
     if format not in ("duolm", "hf"):
         raise ValueError(f"format must be 'duolm' or 'hf', got {format!r}")
     model = _unwrap(model)
+    if any(isinstance(m, SWAPPED) for m in model.modules()):
+        raise ValueError("the model is quantized for inference (duolm.precision.quantize): its linears hold the "
+                         "weights in the form they run in; save the model before quantizing it")
     family, heads = _family(model)
     path = Path(path)
     if path.exists() and not path.is_dir():

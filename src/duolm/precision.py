@@ -1,76 +1,50 @@
-"""Which arithmetic runs the matmuls: exact fp32 through the CPU's fastest kernels, bf16 autocast for
-training where the device computes bf16 natively, bf16 weights or int8 matmuls for inference.
+"""Which arithmetic runs the matmuls: one value, resolved once where a job starts, then applied in the open.
 
-    with training("auto", device):        # bf16 autocast where native (CUDA, AVX512-BF16, AMX), else fp32;
-        loss = objective(model(x), batch) # on CPU inside Training: oneDNN linears, faster dropout masks
-    with Inference("fp32"):               # the same numbers through oneDNN on CPU, weights packed once
-        logits = model(idx)
-    with Inference("int8"):               # int8 weights and matmuls: 1 byte per weight read, other numbers
-        generate(model, prompts, 64)
+    precision = resolve("auto", device, training=True)  # "bf16" where the device computes it natively, else "fp32"
+    with autocast(precision, device):                    # training: torch.autocast to bf16, or nothing
+        loss = objective(model(x), batch)
 
-Like autocast, both wrap the model from outside: the models call F.linear and never know. Training (the
-end of this file) does the same for a training forward with autograd on. Inference
-is a torch function mode that catches F.linear under no_grad (every nn.Linear, GPT-2's tied output
-layer, BERT's MLM decoder) and runs it on a form of the weight made on first use and kept as long as the
-Inference object: it takes the weights as constant (a generation, an evaluation, a server's lifetime), so
-make a new one after an optimizer step. (A version-counter check would not do: the fused AdamW kernel
-updates weights in place without bumping it.)
+    quantize(model, "int8")                              # inference: each nn.Linear (and tied output layer) becomes
+    print(model)                                         # the module that runs it: Int8Linear(768, 2304, ...)
 
-  * "fp32": oneDNN's linear on a weight packed into its blocked layout. The same dot products in
-    another order (within ~1e-6 of F.linear); PyTorch's fp32 F.linear goes to MKL, whose kernels on
-    this project's AMD EPYC reach about half of oneDNN's for the few-row matmuls of decoding
-    (benchmarks/cpu_engines.py). On Intel CPUs, where MKL is the fast path (`fp32_engine()`), fp32 stays on
-    F.linear. oneDNN runs a product of m rows on onednn_rows(m) (zero rows added), so that inputs of varied
-    length meet a bounded number of shapes: oneDNN keeps memory for every shape it has run.
-  * "bf16": a bf16 copy of the weight, packed for oneDNN; the input cast to bf16, the output back to fp32.
-  * "int8": dynamic quantization, as CTranslate2's int8: the weight symmetric per output row (w ~= q * scale,
-    |q| <= 127, int8_rows), each input quantized to uint8 on the fly, products summed in int32 by the x86 int8
-    kernels (VNNI where the CPU has it), output fp32. The kernel takes one scale and zero point for the whole
-    input, so each row is first mapped onto [0, 1] by its own min and max and the output mapped back
-    (row_affine): every row gets all 256 steps, whatever the other rows hold (an outlier token, padding,
-    another request of the batch).
+Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
+swaps the linears, in place, for modules that say what they run:
+  * "fp32": exact. F.linear as it is, except on x86 CPUs not made by Intel (fp32_engine()), where PyTorch's fp32
+    F.linear calls MKL's slower paths: there PackedLinear runs oneDNN on the weight packed once into its blocked
+    layout (the same dot products in another order, within ~1e-6). benchmarks/cpu_engines.py times both.
+  * "bf16": BF16Linear, a bf16 copy of the weight; the input cast to bf16, the output back to fp32.
+  * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
+    each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
+    kernel takes one scale and zero point for the whole input, so each row is first mapped onto [0, 1] by its own
+    min and max and the output mapped back (row_affine): every row gets all 256 steps, whatever the other rows
+    hold (an outlier token, padding, another request of the batch).
+The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
+the KV cache stay fp32; embedding lookups read the fp32 table.
 
-The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream
-and the KV cache stay fp32 in every mode; embedding lookups read the fp32 table. Modes are per thread (as autocast
-is): a worker thread enters its own.
+Where a kernel is PyTorch-private (oneDNN's packed linear, the quantized engine), it is tried once on a tiny input
+(_works); where it is missing or fails, the module runs the same arithmetic in public torch ops (the same numbers:
+tests/test_precision.py) and a warning says so once.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import platform
 import warnings
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
+
+from duolm.models.gpt2 import TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 TRAINING = ("auto", "fp32", "bf16")
 
 
-def native_bf16(device) -> bool:
-    """Whether `device` computes bf16 matmuls natively: CUDA with bf16 support, or a CPU with
-    AVX512-BF16 or AMX tiles (elsewhere bf16 is emulated and slower than fp32)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    return False
-
-
-def machine() -> dict:
-    """What a measurement ran on: {"cpu": the model name, "native_bf16": bool, "threads": torch's intra-op
-    threads} (benchmarks print it; result files record it)."""
-    name = _cpuinfo("model name") or platform.processor() or platform.machine()
-    return {"cpu": name, "native_bf16": native_bf16("cpu"), "threads": torch.get_num_threads()}
-
-
 @functools.cache
 def _cpuinfo(field: str) -> str | None:
-    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id"), None where there is none."""
+    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), None where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), None)
@@ -78,9 +52,31 @@ def _cpuinfo(field: str) -> str | None:
         return None
 
 
-def choose(precision: str, device, training: bool) -> str:
-    """The precision "auto" stands for, others as given: for training bf16 where the device does it
-    natively and fp32 elsewhere; for inference always fp32 (exact)."""
+def native_bf16(device) -> bool:
+    """Whether `device` computes bf16 matmuls natively: CUDA with bf16 support, or a CPU that has AVX512-BF16 or
+    AMX tiles and on which torch dispatches its AVX-512 kernels (torch.backends.cpu.get_cpu_capability(): under
+    ATEN_CPU_CAPABILITY=avx2 the same CPU has no bf16 kernels). Elsewhere bf16 is emulated and slower than fp32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type != "cpu" or not torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        return False
+    flags = (_cpuinfo("flags") or "").split()
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def machine() -> dict:
+    """What a measurement ran on: {"cpu": the model name, "capability": what torch dispatches, "native_bf16",
+    "threads": torch's intra-op threads} (benchmarks print it; result files record it)."""
+    name = _cpuinfo("model name") or platform.processor() or platform.machine()
+    return {"cpu": name, "capability": torch.backends.cpu.get_cpu_capability(), "native_bf16": native_bf16("cpu"),
+            "threads": torch.get_num_threads()}
+
+
+def resolve(precision: str, device, training: bool) -> str:
+    """The precision "auto" stands for, others as given (checked): for training bf16 where the device computes it
+    natively (native_bf16) and fp32 elsewhere; for inference fp32 (exact). Deterministic for a machine, so a
+    resumed run continues in the precision it started in. Called once, where a job starts."""
     allowed = TRAINING if training else PRECISIONS
     if precision not in allowed:
         raise ValueError(f"precision {precision!r} is not one of {allowed}"
@@ -90,41 +86,50 @@ def choose(precision: str, device, training: bool) -> str:
     return "bf16" if training and native_bf16(device) else "fp32"
 
 
-@contextlib.contextmanager
-def training(precision: str, device, kernels: bool = True):
-    """The context a training forward runs in: bf16 autocast (weights, optimizer state and losses stay fp32)
-    or none, and on CPU the Training mode (its faster linear and dropout) unless `kernels` is False (a
-    torch.compile'd model makes its own). `precision` as chosen by choose()."""
-    device = torch.device(device)
-    with contextlib.ExitStack() as stack:
-        if precision == "bf16":
-            stack.enter_context(torch.autocast(device.type, dtype=torch.bfloat16))
-        if kernels and device.type == "cpu":
-            stack.enter_context(Training(precision))
-        yield
-
-
-def inference(precision: str, device):
-    """The context a prediction, evaluation, generation or serving forward runs in: on CPU the Inference mode
-    of choose(precision, device, training=False); on CUDA fp32 as is or bf16 autocast (int8 is CPU-only)."""
-    device = torch.device(device)
-    precision = choose(precision, device, training=False)
-    if device.type == "cpu":
-        return Inference(precision)
-    if precision == "int8":
-        raise ValueError(f"precision int8 (the x86 quantized kernels) runs on the CPU only, not {device}")
-    return training(precision, device)
+def autocast(precision: str, device):
+    """The context a training forward runs in: torch.autocast to bf16 for "bf16", nothing for "fp32"."""
+    if precision not in TRAINING[1:]:
+        raise ValueError(f"training precision {precision!r} is not one of {TRAINING[1:]} (resolve it first)")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------------------------
-# inference kernels
+# private kernels, each tried once
+
+@functools.cache
+def _works(kernel: str) -> bool:
+    """Whether a private torch kernel ("onednn", "int8") exists here and runs; warns once where it does not."""
+    try:
+        x, w = torch.randn(2, 8), torch.randn(4, 8)
+        if kernel == "onednn":
+            _onednn(x, _pack(w), None)
+        else:
+            _int8_pack(*int8_rows(w))
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        warnings.warn(f"duolm.precision: torch's {kernel} kernel is unavailable here ({type(e).__name__}: {e}); "
+                      f"running the same arithmetic in public torch ops", RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def fp32_engine() -> str:
+    """"onednn" on x86 CPUs not made by Intel where torch's oneDNN linear runs, else "mkl" (plain F.linear).
+    PyTorch's fp32 F.linear calls MKL, which on other vendors' CPUs takes slower code paths
+    (benchmarks/cpu_engines.py and benchmarks/models.py time both). A rule rather than a timing, so that every
+    process on a machine makes the same choice and a resumed run, an evaluation and a server compute the same
+    numbers bit for bit."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or _cpuinfo("vendor_id") == "GenuineIntel":
+        return "mkl"
+    return "onednn" if torch.backends.mkldnn.is_available() and _works("onednn") else "mkl"
+
 
 def onednn_rows(m: int) -> int:
     """The row count a oneDNN matmul of m rows runs at: m up to 64, above that m rounded up to a step of an eighth
-    of the power of two below it (at most 12.5% more rows, padding). oneDNN (through PyTorch) keeps about 1 MB
-    for every distinct (rows, weight shape) it has run, in its caches and malloc pages it does not give back; a
-    server, an evaluation or fine-tuning on inputs of varied length meets a new row count at almost every batch,
-    and the memory grows with each (by hundreds of MB: tests/test_precision.py). Bucketed, the row counts are at
+    of the power of two below it (at most 12.5% more rows, padding). oneDNN keeps memory for every distinct (rows,
+    weight shape) it has run; a server or an evaluation on inputs of varied length meets a new row count at almost
+    every batch, and the memory would grow with each (tests/test_precision.py). Bucketed, the row counts are at
     most 64 + 8 per doubling.
 
     >>> [onednn_rows(m) for m in (1, 64, 65, 100, 128, 129, 1000, 1024, 1025)]
@@ -136,29 +141,32 @@ def onednn_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-def _linear_onednn(x, w, bias):
-    """torch.ops.mkldnn._linear_pointwise(x, w, bias) on onednn_rows() rows: x padded with zero rows, which the
-    result leaves out."""
-    m = x.numel() // x.shape[-1]
-    rows = onednn_rows(m)
-    if rows == m:
-        return torch.ops.mkldnn._linear_pointwise(x, w, bias, "none", [], "")
-    padded = x.new_empty(rows, x.shape[-1])
-    padded[:m] = x.reshape(m, -1)
-    padded[m:] = 0
-    y = torch.ops.mkldnn._linear_pointwise(padded, w, bias, "none", [], "")[:m]
-    return y.view(*x.shape[:-1], y.shape[-1])
-
-
-def _pack_onednn(w, rows: int):
+def _pack(w: torch.Tensor, rows: int = 64) -> torch.Tensor:
     """w in the layout oneDNN picks for products of `rows` rows; one packing serves every row count. For fp32,
-    rows > 1 gives its blocked layout (AB16b64a), read by its AVX-512 kernels whatever the row count, where rows=1
-    keeps the plain layout, which a single row reads with AVX2 code (benchmarks/cpu_engines.py times both on
-    GPT-2's matrices). bf16 weights keep the layout for rows=1 (not timed against the blocked one)."""
+    rows > 1 gives its blocked layout, read by its AVX-512 kernels whatever the row count (rows=1 keeps the plain
+    layout, read with AVX2 code: benchmarks/cpu_engines.py times both)."""
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
 
-def int8_rows(w: torch.Tensor):
+def _on_rows(f, x: torch.Tensor) -> torch.Tensor:
+    """f(x) for a product f of each row of x, run on onednn_rows() rows: x padded with zero rows, which the result
+    leaves out."""
+    m = x.numel() // x.shape[-1]
+    rows = onednn_rows(m)
+    if rows == m:
+        return f(x)
+    padded = x.new_zeros(rows, x.shape[-1])
+    padded[:m] = x.reshape(m, -1)
+    y = f(padded)[:m]
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias through oneDNN on a packed W, on onednn_rows() rows."""
+    return _on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x)
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-row int8: w (N, K) ~= q (N, K) * scale (N,), |q| <= 127; an all-zero
     row (GPT-2's vocabulary padding) gets q = 0.
 
@@ -172,17 +180,19 @@ def int8_rows(w: torch.Tensor):
     return q, scale
 
 
-def _int8_form(w):
-    q, scale = int8_rows(w)
-    with warnings.catch_warnings():   # quantized dtypes are deprecated upstream; the pinned torch has them
+def _int8_pack(q: torch.Tensor, scale: torch.Tensor):
+    """The x86 quantized engine's packed form of q * scale (quantized tensors are deprecated upstream; the tested
+    torch has them, and _works() falls back where they are gone)."""
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
                                                       torch.zeros(len(q), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None), (q.float() * scale[:, None]).sum(1)
+    return torch.ops.quantized.linear_prepack(qw, None)
 
 
 # Without VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
-_REDUCE_RANGE = not torch.cpu._is_vnni_supported()
+# (the kernel then uses 7-bit activations); the flags say whether the CPU has it
+_REDUCE_RANGE = not any(f in (_cpuinfo("flags") or "").split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
 
 
 def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -201,185 +211,118 @@ def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(lo * row_sums, f((x - lo) / span), span)
 
 
-def _linear_int8(x, form, bias):
-    packed, row_sums = form
-    y = row_affine(lambda v: torch.ops.quantized.linear_dynamic(v.contiguous(), packed, _REDUCE_RANGE), row_sums, x)
-    return y if bias is None else y + bias
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
+    """x @ (q * scale).T as the x86 dynamic int8 kernel computes it, in public torch ops: x quantized on one
+    scale s and zero point z chosen from min(x, 0) and max(x, 0) over [0, 255] ([0, 127] with reduce_range),
+    xq = clamp(round(x / s) + z), then s * scale * sum((xq - z) * q), the sums exact (float64).
 
-
-def _linear_bf16(x, packed, bias):
-    y = _linear_onednn(x.to(torch.bfloat16), packed, None).float()
-    return y if bias is None else y + bias
-
-
-# precision -> (weight -> its form, (x, form, bias) -> y)
-_FORMS = {
-    "fp32": (lambda w: _pack_onednn(w, 64), _linear_onednn),
-    "bf16": (lambda w: _pack_onednn(w.to(torch.bfloat16), 1), _linear_bf16),
-    "int8": (_int8_form, _linear_int8),
-}
-
-
-def fp32_engine() -> str:
-    """"onednn" on x86 CPUs not made by Intel, else "mkl" (plain F.linear). PyTorch's fp32 F.linear calls MKL, which
-    on other vendors' CPUs takes slower code paths: on this project's AMD EPYC oneDNN is faster for decoding's
-    few-row matmuls (benchmarks/cpu_engines.py, benchmarks/models.py print both), while on Intel CPUs MKL is the
-    fast path and stays. A rule rather than a timing, so that every process on a machine makes the same choice
-    and a resumed run, an evaluation and a server compute the same numbers bit for bit."""
-    if not torch.backends.mkldnn.is_available() or platform.machine().lower() not in ("x86_64", "amd64"):
-        return "mkl"
-    return "mkl" if _cpuinfo("vendor_id") == "GenuineIntel" else "onednn"
-
-
-def _engine(precision: str, engine: str | None) -> str | None:
-    """An fp32 mode's engine: as given, or fp32_engine()'s when None (other precisions use none)."""
-    if precision == "fp32" and engine is None:
-        engine = fp32_engine()
-    if engine not in (None, "onednn", "mkl"):
-        raise ValueError(f"engine {engine!r} is not one of ('onednn', 'mkl')")
-    return engine
-
-
-class Inference(TorchFunctionMode):
-    """Runs F.linear on CPU under no_grad in `precision` ("fp32", "bf16", "int8"; see the module
-    docstring); anything else (autograd, autocast regions, other devices, other dtypes) as usual.
-    engine: for "fp32", "onednn" or "mkl" (F.linear unchanged); None: fp32_engine()'s choice.
-    Enter it in the thread that runs the model: `with Inference("int8"): ...`. One instance can be entered
-    again and by several threads at once, which share its weight forms (made once, kept while it lives): the
-    weights must not change during its life."""
-
-    def __init__(self, precision: str = "fp32", engine: str | None = None):
-        super().__init__()
-        if precision not in _FORMS:
-            raise ValueError(f"inference precision {precision!r} is not one of {tuple(_FORMS)}")
-        self.precision = precision
-        self.engine = engine = _engine(precision, engine)
-        self.active = not (precision == "fp32" and engine == "mkl")
-        self.make, self.linear = _FORMS[precision]
-        self.forms = {}                      # id(weight) -> (data_ptr, form)
-
-    def form(self, w: torch.Tensor):
-        """The weight's form for this precision, made on its first use; a view (a slice of a weight, made anew
-        by every call) gets one for the call only."""
-        if w._base is not None:
-            with torch.no_grad():
-                return self.make(w.detach())
-        hit = self.forms.get(id(w))
-        if hit is None or hit[0] != w.data_ptr():       # (a new tensor at a dead one's id has its own data)
-            with torch.no_grad():
-                hit = self.forms[id(w)] = (w.data_ptr(), self.make(w.detach()))
-        return hit[1]
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and self.active and not torch.is_grad_enabled():
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2
-                    and not torch.is_autocast_enabled("cpu")):
-                return self.linear(x, self.form(w), bias)
-        return func(*args, **kwargs)
+    >>> int8_matmul(torch.tensor([[0.0, 2.55]]), torch.tensor([[1, -2]], dtype=torch.int8), torch.tensor([0.5]))
+    tensor([[-2.5500]])
+    """
+    qmax = 127 if reduce_range else 255
+    lo, hi = x.min().double().clamp(max=0), x.max().double().clamp(min=0)
+    s = torch.where(hi > lo, (hi - lo) / qmax, 0.1).float()            # as the kernel: a float scale,
+    z = torch.round(-lo / s.double()).clamp(0, qmax).float()           # an integer zero point
+    xq = (torch.round(x.float() * (1 / s)) + z).clamp(0, qmax) - z     # x times the float 1/s, rounded to even
+    return (xq.double() @ q.double().T * (s.double() * scale.double())).float()
 
 
 # ---------------------------------------------------------------------------------------------
-# training kernels (CPU)
+# the inference linears
 
-def dropout_cut(p: float) -> tuple[int, float]:
-    """Dropout from 16 random bits per element: an element is kept when its bits, read as an int16, are at
-    least `cut`, and kept values are multiplied by `scale` so their mean is the input's. The probability of
-    dropping is p rounded to a multiple of 1/65536.
+class PackedLinear(nn.Module):
+    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn").
+    With autograd on (a training forward), F.linear on W as it is."""
 
-    >>> dropout_cut(0.1)                # 6554 of the 65536 values (-32768 .. -26215) drop: p = 0.100006
-    (-26214, 1.1111186463666882)
-    """
-    drop = round(p * 65536)
-    return drop - 32768, 65536 / (65536 - drop)
-
-
-def dropout_keep(shape, p: float) -> tuple[torch.Tensor, float]:
-    """(keep, scale): a bool mask of `shape` and the factor for kept values (dropout_cut), its bits drawn
-    from torch's generator (so torch.manual_seed reproduces it and a resumed run continues it) two elements
-    per 32-bit draw, where F.dropout on CPU draws a Bernoulli variate per element (several times slower)."""
-    n = math.prod(shape)
-    bits = torch.randint(-2**31, 2**31, ((n + 1) // 2,), dtype=torch.int32).view(torch.int16)[:n]
-    cut, scale = dropout_cut(p)
-    return (bits >= cut).view(shape), scale
-
-
-def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
-    keep, scale = dropout_keep(x.shape, p)
-    return torch.where(keep, x, 0.0).mul_(scale)
-
-
-def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """F.scaled_dot_product_attention written out (its math path, as PyTorch runs it on CPU whenever dropout is
-    on), with _dropout on the attention weights."""
-    if enable_gqa:
-        raise NotImplementedError("grouped-query attention: GPT-2 and BERT do not use it")
-    att = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if is_causal:
-        attn_mask = torch.ones(att.shape[-2:], dtype=torch.bool, device=q.device).tril()
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        att = att.masked_fill(~attn_mask, float("-inf"))
-    elif attn_mask is not None:
-        att = att + attn_mask
-    att = torch._safe_softmax(att.float(), -1)          # fp32 under autocast too; a row with every key masked
-                                                        # attends to nothing, as in SDPA
-    return _dropout(att, dropout_p) @ v
-
-
-class _LinearOneDNN(torch.autograd.Function):
-    """y = x W^T + b, its forward and the input's gradient through oneDNN (_linear_onednn on the weight as it is:
-    packing each step would cost more than it saves), the weight's gradient through MKL: on this project's AMD
-    EPYC each the faster of the two for training's matmuls (benchmarks/models.py)."""
-
-    @staticmethod
-    def forward(ctx, x, w, b):
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        return _linear_onednn(x, w, b)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, w = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = _linear_onednn(dy, w.t(), None) if ctx.needs_input_grad[0] else None
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
-        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db
-
-
-class Training(TorchFunctionMode):
-    """Faster CPU kernels for a training forward, the numbers those of the plain path up to summation order
-    and the dropout masks' random bits:
-      * F.linear with autograd in fp32 (engine "onednn", as fp32_engine() picks it for inference): _LinearOneDNN.
-        Under bf16 autocast PyTorch's linear already runs on oneDNN and is left alone.
-      * dropout, F.dropout's and scaled-dot-product attention's: masks from dropout_keep (p to 1/65536).
-    training(precision, device) enters it; anything else (no autograd, other devices) runs as usual."""
-
-    def __init__(self, precision: str = "fp32", engine: str | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        if precision not in TRAINING[1:]:
-            raise ValueError(f"training precision {precision!r} is not one of {TRAINING[1:]}")
-        self.linear = precision == "fp32" and _engine(precision, engine) == "onednn"
+        self.register_buffer("weight", weight.detach())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.register_buffer("packed", _pack(weight.detach()))
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and self.linear and torch.is_grad_enabled():
-            x, w = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if (x.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and w.dim() == 2
-                    and not torch.is_autocast_enabled("cpu")):
-                return _LinearOneDNN.apply(x, w, bias)
-        elif func is F.dropout:
-            call = dict(zip(("input", "p", "training", "inplace"), args), **kwargs)
-            x, p = call["input"], call.get("p", 0.5)
-            if call.get("training", True) and not call.get("inplace") and 0 < p < 1 and x.device.type == "cpu":
-                return _dropout(x, p)
-        elif func is F.scaled_dot_product_attention:
-            call = dict(zip(("query", "key", "value", "attn_mask", "dropout_p", "is_causal"), args), **kwargs)
-            if call.get("dropout_p", 0.0) > 0 and call["query"].device.type == "cpu":
-                return _attention(call.pop("query"), call.pop("key"), call.pop("value"), **call)
-        return func(*args, **kwargs)
+    def forward(self, x):
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, self.weight, self.bias)
+        return _onednn(x, self.packed, self.bias)
+
+    def extra_repr(self):
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
+               f"bias={self.bias is not None}, kernel=onednn fp32"
+
+
+class BF16Linear(nn.Module):
+    """y = float(bf16(x) bf16(W)^T) + b: the product in bf16 (fp32 sums, F.linear, which on x86 CPUs runs oneDNN:
+    hence onednn_rows) on a bf16 copy of W, made once; input and output fp32."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+
+    def forward(self, x):
+        y = _on_rows(lambda v: F.linear(v, self.weight), x.to(torch.bfloat16)).float()
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
+               f"bias={self.bias is not None}, weight=bf16"
+
+
+class Int8Linear(nn.Module):
+    """y = row_affine(int8 product) + b: W as int8 rows with a scale each (int8_rows), each input row mapped onto
+    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel (int8_matmul where that kernel
+    is unavailable, or under torch.compile, which cannot trace the kernel's packed weight)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        q, scale = int8_rows(weight)
+        self.register_buffer("qweight", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.packed = _int8_pack(q, scale) if _works("int8") else None
+
+    def matmul(self, v):
+        if self.packed is None or torch.compiler.is_compiling():
+            return int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
+        return torch.ops.quantized.linear_dynamic(v.contiguous(), self.packed, _REDUCE_RANGE)
+
+    def forward(self, x):
+        y = row_affine(self.matmul, self.row_sums, x)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        kernel = "x86 dynamic int8" if self.packed is not None else "int8 in public ops"
+        return f"in_features={self.qweight.shape[1]}, out_features={self.qweight.shape[0]}, " \
+               f"bias={self.bias is not None}, kernel={kernel}"
+
+
+def _swap(precision: str, device: torch.device):
+    """The module class `precision` swaps a linear for on `device`, None where F.linear is what runs."""
+    if precision == "int8":
+        if device.type != "cpu":
+            raise ValueError(f"precision int8 (the x86 quantized kernels) runs on the CPU only, not {device}")
+        return Int8Linear
+    if precision == "bf16":
+        return BF16Linear
+    if precision == "fp32":
+        return PackedLinear if device.type == "cpu" and fp32_engine() == "onednn" else None
+    raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
+
+
+def quantize(model: nn.Module, precision: str) -> nn.Module:
+    """Swaps, in place, every nn.Linear of `model` and its tied output layers (TiedLinear) for the module that runs
+    `precision` ("fp32", "bf16", "int8": see the module docstring) and returns the model, in eval mode: a model for
+    inference, its linears' weights now buffers in the form they run in (save the model before, not after:
+    duolm.save refuses one). print(model) shows what runs; the embeddings, LayerNorms and the rest stay."""
+    device = next(model.parameters()).device
+    swap = _swap(precision, device)
+    if swap is not None:
+        for parent in list(model.modules()):
+            for name, child in parent.named_children():
+                if type(child) in (nn.Linear, TiedLinear):
+                    setattr(parent, name, swap(child.weight, child.bias))
+    return model.eval()
+
+
+SWAPPED = (PackedLinear, BF16Linear, Int8Linear)

@@ -106,7 +106,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
     ("none": a prompt longer than the window is an error). Generation stops at <|endoftext|> (not
     shown), a `stop` string (cut before it), max_new_tokens or a full window. num_beams > 1: beam
     search (deterministic; the text comes in one piece). seed: reproducible sampling (None: fresh).
-    Faster CPU decoding, same numbers: iterate inside `with duolm.precision.Inference("fp32"):`."""
+    Faster CPU decoding, same numbers: a model swapped by duolm.precision.quantize(model, "fp32")."""
     if not hasattr(model, "hidden") or not hasattr(model, "head"):
         raise ValueError(f"generate_text needs a GPT-2 model, got {type(model).__name__} (for BERT use fill_mask)")
     if tokenizer is None or not hasattr(tokenizer, "decode_bytes"):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from duolm.cli.options import Progress, add_options, add_precision, options
+from duolm.cli.options import Progress, add_options, add_precision, for_inference, options
 
 
 def cmd_tokenizer_train(args):
@@ -102,8 +102,7 @@ def add_prepare(sub):
 def cmd_pretrain(args):
     from duolm.train import ModelConfig, TrainConfig, pretrain
 
-    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2",
-                        args.precision)
+    progress = Progress(f"{args.family} {args.preset} -> {args.out}", args.max_steps, args.quiet, args.family == "gpt2")
     try:
         r = pretrain(args.family, args.data, args.out, options(ModelConfig, args), options(TrainConfig, args),
                      resume=args.resume, device=args.device, on_start=progress.start, on_log=progress)
@@ -134,23 +133,22 @@ def add_pretrain(sub):
 def cmd_generate(args):
     from duolm.checkpoint import load
     from duolm.generation import StopReason
-    from duolm.precision import inference
     from duolm.textgen import generate_text
 
     model, tok = load(args.dir)
-    with inference(args.precision, "cpu"):
-        gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                            num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
-                            seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
-        if gen.truncated_from:
-            print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
-                  file=sys.stderr)
-        sys.stdout.write(args.prompt)
-        for piece in gen:
-            sys.stdout.write(piece)
-            if args.stream:
-                sys.stdout.flush()
+    for_inference(model, args)
+    gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                        num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
+                        seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
+    if gen.truncated_from:
+        print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
+              file=sys.stderr)
+    sys.stdout.write(args.prompt)
+    for piece in gen:
+        sys.stdout.write(piece)
+        if args.stream:
+            sys.stdout.flush()
     print()
     if gen.stop_reason == StopReason.CONTEXT:
         print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
@@ -185,11 +183,9 @@ def cmd_fill_mask(args):
     from duolm.checkpoint import load
     from duolm.textgen import fill_mask_text
 
-    from duolm.precision import inference
-
     model, tok = load(args.dir)
-    with inference(args.precision, "cpu"):
-        results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)
+    for_inference(model, args)
+    results, filled = fill_mask_text(model, tok, args.text, top_k=args.top_k)
     for n, fillers in enumerate(results, 1):
         print(f"[MASK] {n}:" if len(results) > 1 else "[MASK]:")
         width = max(len(piece) for piece, _ in fillers)

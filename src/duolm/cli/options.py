@@ -47,6 +47,14 @@ def add_precision(parser) -> None:
                              "slightly different numbers)")
 
 
+def for_inference(model, args, device="cpu"):
+    """`model` with its linears swapped for the precision --precision resolves to (once, here:
+    duolm.precision.resolve and quantize)."""
+    from duolm.precision import quantize, resolve
+
+    return quantize(model, resolve(args.precision, device, training=False))
+
+
 def options(cls, args):
     """The dataclass `cls` filled from parsed arguments (fields without a flag keep their defaults; a field holding
     a dataclass is its default instance with the flagged fields replaced)."""
@@ -66,17 +74,14 @@ class Progress:
     """A tqdm bar of training steps fed with metrics rows (`on_log`); validation rows and skipped updates are
     printed as lines above it. `start` (the library's on_start) prints what is trained where and opens the bar."""
 
-    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False, precision: str = "auto"):
+    def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
         self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
-        self.precision = precision
 
-    def start(self, model, device, step):
+    def start(self, model, device, step, precision):
         from tqdm import tqdm
 
-        from duolm.precision import choose
-
-        print(f"{self.name}: {model.num_params():,} parameters on {device} in "
-              f"{choose(self.precision, device, training=True)}" + (f"; resuming at step {step}" if step else ""))
+        print(f"{self.name}: {model.num_params():,} parameters on {device} in {precision}"
+              + (f"; resuming at step {step}" if step else ""))
         self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
 
     def __call__(self, row):

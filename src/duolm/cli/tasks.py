@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from duolm.cli.options import Bars, add_options, add_precision, options
+from duolm.cli.options import Bars, add_options, add_precision, for_inference, options
 
 
 def add_task_data(p):
@@ -117,17 +117,16 @@ def _prediction_line(inp, r) -> str:
 
 def cmd_predict(args):
     from duolm.fileio import write_text
-    from duolm.precision import inference
     from duolm.tasks import load_finetuned, predict
     from duolm.tasks.sentence import write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    with inference(args.precision, args.device or "cpu"):
-        if args.data:
-            files = write_glue_predictions(model, tok, args.data, args.out)
-            return print("wrote " + ", ".join(map(str, files)))
-        inputs = _read_inputs(args, model.head.kind)
-        results = predict(model, tok, inputs)
+    for_inference(model, args, args.device or "cpu")
+    if args.data:
+        files = write_glue_predictions(model, tok, args.data, args.out)
+        return print("wrote " + ", ".join(map(str, files)))
+    inputs = _read_inputs(args, model.head.kind)
+    results = predict(model, tok, inputs)
     if args.json:
         return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
     lines = [_prediction_line(i, r) for i, r in zip(inputs, results)]
@@ -156,12 +155,11 @@ def add_predict(sub):
 
 
 def cmd_evaluate(args):
-    from duolm.precision import inference
     from duolm.tasks import evaluate, load_finetuned
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
-    with inference(args.precision, args.device or "cpu"):
-        metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
+    for_inference(model, args, args.device or "cpu")
+    metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
     if args.json:
         return print(json.dumps({"task": model.head.task, "split": args.split, **metrics}))
     print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
@@ -182,13 +180,13 @@ def cmd_eval(args):
     from duolm.checkpoint import load
     from duolm.evaluation import EvalOptions, evaluate_lm, markdown, run_suite
     from duolm.fileio import write_json, write_text
-    from duolm.precision import inference
 
     if not ((args.task and args.data) or (args.suite and args.data_dir)):
         raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
     model, tok = load(args.model)
+    for_inference(model, args)
     opts = dataclasses.asdict(options(EvalOptions, args))
-    with Bars(args.json) as bars, inference(args.precision, "cpu"):
+    with Bars(args.json) as bars:
         def progress(task, done, total, metrics):
             bar = bars(task, total, desc=task, leave=False)
             bar.update(done - bar.n)

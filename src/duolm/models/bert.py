@@ -18,7 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from duolm.models.gpt2 import check_ids, check_sizes
+from duolm.models.dropout import Dropout, attention
+from duolm.models.gpt2 import TiedLinear, check_ids, check_sizes
 
 # Largest sizes a config may declare, checked before allocation.
 LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head": 1024, "n_embd": 1 << 16,
@@ -78,7 +79,7 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.resid_drop = nn.Dropout(config.dropout)
+        self.resid_drop = Dropout(config.dropout)
 
     def forward(self, x, mask=None):
         """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key -> (B, T, C)."""
@@ -93,8 +94,7 @@ class Attention(nn.Module):
         q = q.view(B, Tq, self.n_head, -1).transpose(1, 2)    # (B, nh, T, hd), strided views
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
         y = self.c_proj(y.transpose(1, 2).reshape(B, Tq, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
@@ -108,7 +108,7 @@ class MLP(nn.Module):
         self.dropout = config.dropout
         self.c_fc = nn.Linear(config.n_embd, config.n_inner)
         self.c_proj = nn.Linear(config.n_inner, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
 
     def forward(self, x):
         y = self.c_proj(F.gelu(self.c_fc(x)))
@@ -135,13 +135,11 @@ class Block(nn.Module):
 def cls_block(block: Block, x, mask=None):
     """block(x, mask)[:, :1] computed for the first ([CLS]) query only -> (B, 1, C).
 
-    The same equation on the one row the pooler reads: every position is still a key and a value, but
-    the query projection, the attention output, both LayerNorms and the MLP run on [CLS] alone."""
-    C = x.shape[-1]
-    w, b = block.attn.c_attn.weight, block.attn.c_attn.bias
-    q = F.linear(x[:, :1], w[:C], b[:C])                   # (B, 1, C): the [CLS] query
-    k, v = F.linear(x, w[C:], b[C:]).split(C, dim=2)       # (B, T, C) each: every key and value
-    x = block.ln_1(x[:, :1] + block.attn.attend(q, k, v, mask))
+    The same equation on the one row the pooler reads: every position is still a key and a value (their
+    projection is the block's own c_attn, queries included), but the attention, its output projection, both
+    LayerNorms and the MLP run on [CLS] alone."""
+    q, k, v = block.attn.c_attn(x).split(x.shape[-1], dim=2)  # (B, T, C) each: every key and value
+    x = block.ln_1(x[:, :1] + block.attn.attend(q[:, :1], k, v, mask))
     x = block.ln_2(x + block.mlp(x))
     return x
 
@@ -170,7 +168,7 @@ class Bert(nn.Module):
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
         self.wse = nn.Embedding(config.type_vocab_size, config.n_embd)
         self.ln_e = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.pool = nn.Linear(config.n_embd, config.n_embd)
         self.reset_parameters()
@@ -251,15 +249,13 @@ class BertMLMHead(nn.Module):
         super().__init__()
         self.dense = nn.Linear(config.n_embd, config.n_embd)
         self.ln = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.decoder = TiedLinear(wte)
         self.bias = nn.Parameter(torch.zeros(config.vocab_size))
-        # Held in a tuple so it is not registered twice (no duplicate key in the state dict);
-        # we keep the module, not its weight, so .to() and load_state_dict(assign=True) follow.
-        self._wte = (wte,)
         _init_weights(self)
 
     def forward(self, h):
         h = self.ln(F.gelu(self.dense(h)))
-        return F.linear(h, self._wte[0].weight, self.bias)
+        return self.decoder(h) + self.bias
 
 
 class BertNSPHead(nn.Module):

@@ -17,6 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from duolm.models.dropout import Dropout, attention
+
 
 # ---------------------------------------------------------------------------------------------
 # Config
@@ -154,7 +156,7 @@ class Attention(nn.Module):
         self.dropout = config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.resid_drop = nn.Dropout(config.dropout)
+        self.resid_drop = Dropout(config.dropout)
 
     def forward(self, x, mask=None, kv=None):
         """x (B, T, C). mask: None (plain causal) or bool (B|1, 1, T, past + T), True = may attend.
@@ -172,9 +174,7 @@ class Attention(nn.Module):
             k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
         # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
         # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-            dropout_p=self.dropout if self.training else 0.0)
+        y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal=mask is None and T > 1)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
@@ -188,7 +188,7 @@ class MLP(nn.Module):
         self.dropout = config.dropout
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
 
     def forward(self, x):
         y = self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
@@ -222,6 +222,30 @@ def _trim_vocab_padding(module, state_dict, prefix, local_metadata):
         state_dict[key] = state_dict[key][: module.config.vocab_size]
 
 
+class TiedLinear(nn.Module):
+    """The output layer tied to the token embedding (GPT-2 section 2.3; BERT's MLM decoder too): h (..., C) ->
+    h @ wte.weight^T. The embedding is held in a tuple, not registered again, so its weight is saved once (as
+    wte's); .to() and load_state_dict(assign=True) follow it. duolm.precision.quantize swaps it as it swaps an
+    nn.Linear."""
+
+    bias = None
+
+    def __init__(self, wte: nn.Embedding):
+        super().__init__()
+        self._wte = (wte,)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._wte[0].weight
+
+    def forward(self, h):
+        return F.linear(h, self.weight)
+
+    def extra_repr(self):
+        n, c = self.weight.shape
+        return f"in_features={c}, out_features={n}, bias=False, tied to the token embedding"
+
+
 def _restore_vocab_padding(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
     """load_state_dict pre-hook: append the (zero) padding rows to an unpadded wte."""
     key = prefix + "wte.weight"
@@ -238,9 +262,10 @@ class GPT2(nn.Module):
         self.config = config
         self.wte = nn.Embedding(config.padded_vocab_size, config.n_embd)
         self.wpe = nn.Embedding(config.block_size, config.n_embd)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_eps)
+        self.lm_head = TiedLinear(self.wte)      # weight tying: the output layer is wte, transposed
         # The padding rows exist inside the model only: state dicts and checkpoints hold vocab_size rows.
         self.register_state_dict_post_hook(_trim_vocab_padding)
         self.register_load_state_dict_pre_hook(_restore_vocab_padding)
@@ -329,7 +354,7 @@ class GPT2(nn.Module):
         """Tied output layer: hidden (..., C) -> logits (..., vocab_size), a view of rows padded to
         padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view); the padding rows of
         wte are zero and are sliced off, so they never show."""
-        return F.linear(h, self.wte.weight)[..., :self.config.vocab_size]
+        return self.lm_head(h)[..., :self.config.vocab_size]
 
     def forward(self, idx, attention_mask=None, cache=None):
         """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from duolm.models.bert import Bert, BertConfig, BertForPreTraining
+from duolm.models.dropout import Dropout
 from duolm.models.gpt2 import GPT2, GPT2Config
 
 KINDS = ("classify", "regress", "tag", "span", "choice")
@@ -81,7 +82,7 @@ class BertForSequence(nn.Module):
             raise ValueError(f"BertForSequence predicts classify or regress, not {head.kind!r}")
         self.config, self.head = config, head
         self.bert = Bert(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, head.n_out))
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
@@ -99,7 +100,7 @@ class BertForTokens(nn.Module):
             raise ValueError(f"BertForTokens predicts tag, not {head.kind!r}")
         self.config, self.head = config, head
         self.bert = Bert(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, head.n_out))
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
@@ -136,7 +137,7 @@ class BertForChoice(nn.Module):
             raise ValueError(f"BertForChoice predicts choice, not {head.kind!r}")
         self.config, self.head = config, head
         self.bert = Bert(config)
-        self.drop = nn.Dropout(config.dropout)
+        self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, 1))
 
     def forward(self, idx, segment_ids=None, attention_mask=None):

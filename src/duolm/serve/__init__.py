@@ -39,9 +39,9 @@ class ServeConfig:
         "help": "decode each sequence alone: tokens and log-probabilities bitwise the same whatever runs beside "
                 "it (one forward per sequence and step instead of one per step)"})
     precision: str = field(default="auto", metadata={
-        "help": "matmul arithmetic (duolm.precision): auto = fp32 for GPT-2 and plain fp32 (F.linear) for BERT, "
-                "fp32 = exact fp32 on the CPU's fastest kernels (oneDNN on non-Intel x86), bf16 / int8 on CPU "
-                "(faster, slightly different numbers)", "choices": ("auto", "fp32", "bf16", "int8")})
+        "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the CPU's fastest kernels (oneDNN on "
+                "non-Intel x86); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
+                "choices": ("auto", "fp32", "bf16", "int8")})
     batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
 
 

@@ -13,7 +13,6 @@ Retry-After. Inside: a bad field 400 naming it.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from contextlib import asynccontextmanager
 
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from duolm.models import GPT2
-from duolm.precision import inference
+from duolm.precision import quantize, resolve
 from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
@@ -35,7 +34,8 @@ from duolm.serve.schemas import APIError
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
     in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
-    max_body_bytes, batch_window_s, batch_invariant, precision: the worker thread's duolm.precision.Inference).
+    max_body_bytes, batch_window_s, batch_invariant, precision: duolm.precision.quantize swaps the model's linears,
+    in place, for it).
     pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
@@ -43,13 +43,9 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
         raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
     name = opts.model_name or "duolm"
     metrics = Metrics(name)
-    # entered by the worker thread, made once. "auto" is exact fp32 on the CPU's fastest kernels (as `duolm generate`)
-    # for GPT-2 and plain F.linear for the encoders: with oneDNN the BERT soak's memory grew 33% over 1,000 requests
-    # of varied shapes (docs/serving.md); --precision fp32 puts them on oneDNN too
-    plain = opts.precision == "auto" and not isinstance(model, GPT2)
-    kernels = contextlib.nullcontext() if plain else inference(opts.precision, opts.device)
-    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant, kernels)
-              if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s, kernels))
+    quantize(model, resolve(opts.precision, opts.device, training=False))
+    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant)
+              if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s))
     admission = Admission(opts.max_concurrency + opts.max_queue)
     metrics.watch(admission.stats, worker.stats)
     s = Served(model, tokenizer, name, worker, admission, metrics, opts.api_key, pooling or Pooling())

@@ -8,7 +8,6 @@ shape and a route; nothing here changes.
 """
 from __future__ import annotations
 
-import contextlib
 
 import logging
 import queue
@@ -109,12 +108,11 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Te
 
 class EncoderWorker:
     """One thread that runs batched jobs. After the first job arrives it waits `window_s` for more;
-    the jobs collected are grouped by function and each group runs as one call, inside `context` (the server's
-    duolm.precision.Inference). It is the server's `deps.Worker` for BERT."""
+    the jobs collected are grouped by function and each group runs as one call. It is the server's `deps.Worker`
+    for BERT."""
 
-    def __init__(self, window_s: float = 0.005, context=contextlib.nullcontext()):
+    def __init__(self, window_s: float = 0.005):
         self.window_s = window_s
-        self.context = context
         self._jobs: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self.running = 0                 # jobs in the batch being run
@@ -146,29 +144,28 @@ class EncoderWorker:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
-        with self.context:
-            while True:
-                job = self._jobs.get()
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            jobs = [job]
+            deadline = time.monotonic() + self.window_s
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    job = self._jobs.get(timeout=left)
+                except queue.Empty:
+                    break
                 if job is None:
-                    return
-                jobs = [job]
-                deadline = time.monotonic() + self.window_s
-                while (left := deadline - time.monotonic()) > 0:
-                    try:
-                        job = self._jobs.get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if job is None:
-                        self._jobs.put(None)      # stop after this batch
-                        break
-                    jobs.append(job)
-                t0 = time.perf_counter()
-                self.running = len(jobs)
-                self.batches += 1
-                self.items += sum(len(items) for _, items, _ in jobs)
-                self.run(jobs)
-                self.running = 0
-                self.busy_s += time.perf_counter() - t0
+                    self._jobs.put(None)      # stop after this batch
+                    break
+                jobs.append(job)
+            t0 = time.perf_counter()
+            self.running = len(jobs)
+            self.batches += 1
+            self.items += sum(len(items) for _, items, _ in jobs)
+            self.run(jobs)
+            self.running = 0
+            self.busy_s += time.perf_counter() - t0
 
     @staticmethod
     def run(jobs) -> None:

@@ -28,7 +28,6 @@ then costs one forward per row instead of one for the batch.
 from __future__ import annotations
 
 import collections
-import contextlib
 import copy
 import logging
 import threading
@@ -148,17 +147,14 @@ class Scheduler:
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
     in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2.
-    batch_invariant: decode every row alone (see the module's doc). context: entered by the decode thread around
-    its loop (the server's duolm.precision.Inference; step() called by hand runs in the caller's context)."""
+    batch_invariant: decode every row alone (see the module's doc)."""
 
-    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False,
-                 context=contextlib.nullcontext()):
+    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
         self.max_batch = max_batch
         self.batch_invariant = batch_invariant
-        self.context = context
         w = model.wte.weight
         self.device = w.device
         self.dtype = w.dtype
@@ -218,12 +214,11 @@ class Scheduler:
         self._rows, self._waiting = [], collections.deque()
 
     def _loop(self) -> None:
-        with self.context:
-            while not self._stopping:
-                if not self.step():
-                    with self._cond:
-                        if not self._waiting and not self._stopping:
-                            self._cond.wait(0.1)
+        while not self._stopping:
+            if not self.step():
+                with self._cond:
+                    if not self._waiting and not self._stopping:
+                        self._cond.wait(0.1)
 
     def step(self) -> bool:
         """Admit waiting rows into free slots, then decode one token for every row in the batch.

@@ -278,8 +278,8 @@ def eval_batches(features, batch_size: int, rank: int = 0, world_size: int = 1
 def run_model(forward: Callable, model, features, batch_size: int = 64) -> list[torch.Tensor]:
     """forward(model, batch) -> outputs (B, ...) for every row of `features`, in order: float32 CPU tensors, each
     row's cut to its length when the outputs have a token axis (its length given by features.lengths()). The model
-    is in eval mode meanwhile. The precision is the caller's context (duolm.precision: training() in a run's
-    validation, Inference in prediction)."""
+    is in eval mode meanwhile, in the precision its linears run in (duolm.precision.quantize; fp32 as it is in a
+    run's validation)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()

@@ -23,7 +23,7 @@ from duolm.config import opt
 from duolm.fileio import write_json, write_text
 from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, attach_head
-from duolm.precision import choose
+from duolm.precision import resolve
 from duolm.runs import read_metrics, replace_folder
 from duolm.tasks import Files, TaskBatches, TaskOptions
 from duolm.tasks.glue import GLUE
@@ -108,10 +108,12 @@ def _one_run(base, tok, task: tasks.Prepared, cfg: FinetuneConfig, lr: float, se
     tc = replace(cfg.loop, max_steps=max_steps, lr=lr, warmup_steps=round(cfg.warmup * max_steps),
                  eval_every=cfg.loop.eval_every or per_epoch, checkpoint_every=per_epoch, seed=seed, select_metric=main)
     batch_size = 2 * cfg.loop.batch_size
-    validate = lambda m: task.validate(m, tok, batch_size)                                          # noqa: E731
-    baseline = lambda m: {"init_" + k.removeprefix("val_"): v for k, v in validate(m).items()}      # noqa: E731
-    out = train(model, task.objective, TaskBatches(task.train, seed), tc, run_dir, validate=validate,
-                baseline=baseline, tokenizer=tok, resume=resume, on_log=on_log)
+
+    def validate(model, step):             # the untrained model's scores at step 0, as init_*: never the best
+        metrics = task.validate(model, tok, batch_size)
+        return metrics if step else {"init_" + k.removeprefix("val_"): v for k, v in metrics.items()}
+    out = train(model, task.objective, TaskBatches(task.train, seed), tc, run_dir, validate=validate, tokenizer=tok,
+                resume=resume, on_log=on_log)
     if out["stopped"]:
         raise InterruptedError(f"stopped by SIGTERM at step {out['step']} of {run_dir} (saved; --resume continues)")
     plot_run(run_dir)
@@ -179,12 +181,13 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, fi
     base, tok, family = load_pretrained(model, dev)
     files = files or Files()
     cfg = (config or FinetuneConfig()).resolved(family, tasks.task(task).kinds[0])
+    cfg = replace(cfg, loop=replace(cfg.loop, precision=resolve(cfg.loop.precision, dev, training=True)))
     prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
     lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
     seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
     info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
             "metric": prepared.metrics[0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared.train, cfg)[1],
-            "max_length": prepared.head.max_length, "precision": choose(cfg.loop.precision, dev, training=True),
+            "max_length": prepared.head.max_length, "precision": cfg.loop.precision,
             "config": asdict(cfg)}
     if on_start is not None:
         on_start(info)

@@ -33,7 +33,7 @@ from duolm.checkpoint import load, save
 from duolm.config import opt
 from duolm.fileio import write_error
 from duolm.objectives import Objective
-from duolm.precision import TRAINING, choose, inference, training
+from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
 
@@ -169,8 +169,9 @@ def evaluate(model: nn.Module, objective: Objective, batches, micro_batch_size: 
 
 
 def loss_validator(objective: Objective, val_data, cfg: TrainConfig):
-    """validate(model) -> {"val_loss": ..., "val_<metric>": ...} over cfg.eval_batches of `val_data`."""
-    def validate(model):
+    """validate(model, step) -> {"val_loss": ..., "val_<metric>": ...} over cfg.eval_batches of `val_data`, in fp32
+    (as `duolm evaluate` scores the saved model)."""
+    def validate(model, step):
         rank, world = _world()
         batches = val_data.eval_batches(cfg.batch_size, rank=rank, world_size=world, max_batches=cfg.eval_batches)
         micro = cfg.micro_batch_size or cfg.batch_size // world
@@ -226,33 +227,73 @@ class _StopOnSigterm:
             signal.signal(signal.SIGTERM, self.old)
 
 
-def _better(value, best, mode):
-    return best is None or (value > best if mode == "max" else value < best)
-
-
 # --- the loop ---------------------------------------------------------------------------------
 
-def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, validate=None,
-          baseline=None, tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
-    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows",
-    "best", "precision"}.
+@dataclass
+class _Progress:
+    """Where a run stands; saved in every checkpoint (and the best model in the manifest), read back on resume."""
+    step: int = 0
+    skipped: int = 0
+    tokens: int = 0
+    best: dict | None = None
 
-    data: .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch, a pure
-          function of the step (e.g. duolm.data.CausalBatches / BertBatches).
-    validate(model) -> {name: value}: run every cfg.eval_every steps (and at step 0 of a fresh run) and
-          at the end; see loss_validator. With cfg.select_metric, the best model is kept in RUN/best/.
-    baseline(model) -> {name: value}: run instead of validate at step 0 of a fresh run, its metrics logged under
-          the names it gives them and never kept as the best (fine-tuning: the untrained model's init_*).
-    run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written).
-    resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
-    on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
-    Torch.distributed, when initialised (torchrun), makes this DDP: the global batch is split over ranks.
-    Training forwards run in cfg.precision as duolm.precision.choose() resolves it (the manifest records it, and
-    resuming a run under another precision is a ValueError: it would not be exact); validate and baseline in
-    fp32, as `duolm evaluate` scores the saved model.
-    """
-    rank, world = _world()
-    device = next(model.parameters()).device
+
+def _resume(run_dir, model: nn.Module, optimizer, precision: str) -> _Progress:
+    """The run's newest checkpoint loaded into model and optimizer (a fresh _Progress where there is none).
+    Resuming under another precision than the run's is a ValueError: it would not continue the run exactly."""
+    state = load_train_state(run_dir, model)
+    if state is None:
+        return _Progress()
+    manifest = runs.read_manifest(run_dir) or {}
+    if manifest.get("precision", precision) != precision:
+        raise ValueError(f"{run_dir} was trained in {manifest['precision']}; resuming it in {precision} would not "
+                         f"continue it exactly: resume with precision {manifest['precision']}")
+    optimizer.load_state_dict(state["optimizer"])
+    return _Progress(state["step"], state["skipped"], state["tokens"], manifest.get("best"))
+
+
+class _Run:
+    """What train() writes and keeps: metrics rows (to its sinks), validations with the best model kept in
+    RUN/best/ (by cfg.select_metric), checkpoints. Only rank 0 with a run_dir writes."""
+
+    def __init__(self, model, optimizer, cfg: TrainConfig, run_dir, tokenizer, precision: str, progress: _Progress,
+                 sinks: list, world: int):
+        self.model, self.optimizer, self.cfg, self.run_dir, self.tokenizer = model, optimizer, cfg, run_dir, tokenizer
+        self.precision, self.progress, self.sinks, self.world = precision, progress, sinks, world
+        self.writer = _world()[0] == 0 and run_dir is not None
+        self.rows: list[dict] = []
+
+    def log(self, row: dict):
+        self.rows.append(row)
+        for sink in self.sinks:
+            sink(row)
+
+    def validate(self, validate, step: int) -> dict:
+        metrics = validate(self.model, step)
+        value, best = metrics.get(self.cfg.select_metric), self.progress.best
+        if self.writer and value is not None and (best is None or (
+                value > best["value"] if self.cfg.select_mode == "max" else value < best["value"])):
+            self.progress.best = {"metric": self.cfg.select_metric, "value": value, "step": step}
+            runs.replace_folder(Path(self.run_dir) / "best", lambda d: save(self.model, d, tokenizer=self.tokenizer))
+        return metrics
+
+    def checkpoint(self, step: int):
+        if self.writer:
+            p = self.progress
+            state = {"step": step, "optimizer": self.optimizer.state_dict(), "skipped": p.skipped, "tokens": p.tokens,
+                     "seed": self.cfg.seed, "config": asdict(self.cfg)}
+            save_checkpoint(self.run_dir, step, self.model, state, self.tokenizer, self.cfg.keep_last, p.best,
+                            {"precision": self.precision})
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self):
+        for sink in self.sinks:
+            if hasattr(sink, "close"):
+                sink.close()
+
+
+def _micro_batch_size(cfg: TrainConfig, world: int) -> int:
     per_rank = cfg.batch_size // world
     if per_rank * world != cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {world}")
@@ -260,63 +301,46 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     if per_rank % micro:
         raise ValueError(f"each of {world} process(es) gets {per_rank} sequences per step, which is not a multiple "
                          f"of micro_batch_size {micro}")
-    writer = rank == 0 and run_dir is not None
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
-    state = load_train_state(run_dir, model) if resume and run_dir is not None else None
-    if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    start, skipped, tokens_seen = (state["step"], state["skipped"], state["tokens"]) if state else (0, 0, 0)
-    manifest = (runs.read_manifest(run_dir) or {}) if state else {}
-    best = manifest.get("best")
-    precision = choose(cfg.precision, device, training=True)
-    if manifest.get("precision", precision) != precision:
-        raise ValueError(f"{run_dir} was trained in {manifest['precision']}; resuming it in {precision} would not "
-                         f"continue it exactly: resume with precision {manifest['precision']}")
+    return micro
 
+
+def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_dir=None, *, validate=None,
+          tokenizer=None, resume: bool = False, on_log=None, tensorboard: bool = True) -> dict:
+    """Trains `model` (already on its device) in place; returns {"step", "skipped", "stopped", "saved_at", "rows",
+    "best", "precision"}.
+
+    data: .batch(step, batch_size, rank, world_size) -> this rank's rows of the step's global batch, a pure
+          function of the step (e.g. duolm.data.CausalBatches / BertBatches).
+    validate(model, step) -> {name: value}: the caller's validation, run every cfg.eval_every steps, at step 0 of a
+          fresh run and at the end, in the precision it chooses (see loss_validator). With cfg.select_metric, the
+          best model by that metric is kept in RUN/best/.
+    run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written).
+    resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
+    on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
+    Torch.distributed, when initialised (torchrun), makes this DDP: the global batch is split over ranks.
+    Training forwards run in cfg.precision (duolm.precision.autocast; "auto" resolved here once, as
+    duolm.precision.resolve says), which the manifest records.
+    """
+    rank, world = _world()
+    device = next(model.parameters()).device
+    micro = _micro_batch_size(cfg, world)
+    precision = resolve(cfg.precision, device, training=True)
+    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
+    progress = _resume(run_dir, model, optimizer, precision) if resume and run_dir is not None else _Progress()
+    fresh = progress.step == 0
+    sinks = open_logs(run_dir, None if fresh else progress.step, tensorboard) if rank == 0 and run_dir else []
+    sinks += [on_log] if on_log is not None and rank == 0 else []
+    run = _Run(model, optimizer, cfg, run_dir, tokenizer, precision, progress, sinks, world)
     fwd = model if world == 1 else nn.parallel.DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None)
-    if cfg.compile:
-        fwd = torch.compile(fwd)
-    autocast = lambda: training(precision, device, kernels=not cfg.compile)  # noqa: E731
-    exact = lambda: inference("fp32", device)                      # noqa: E731  (anew: the weights have changed)
+    fwd = torch.compile(fwd) if cfg.compile else fwd
     params = [p for p in model.parameters() if p.requires_grad]
-    sinks = (open_logs(run_dir, start if state else None, tensorboard) if writer else []) + \
-        ([on_log] if on_log is not None and rank == 0 else [])
-    rows: list[dict] = []
-
-    def log(row):
-        rows.append(row)
-        for sink in sinks:
-            sink(row)
-
-    def run_validation(step) -> dict:
-        nonlocal best
-        with exact():
-            metrics = validate(model) if validate is not None else {}
-        value = metrics.get(cfg.select_metric)
-        if writer and value is not None and _better(value, (best or {}).get("value"), cfg.select_mode):
-            best = {"metric": cfg.select_metric, "value": value, "step": step}
-            runs.replace_folder(Path(run_dir) / "best", lambda d: save(model, d, tokenizer=tokenizer))
-        return metrics
-
-    def checkpoint(step):
-        if writer:
-            state = {"step": step, "optimizer": optimizer.state_dict(), "skipped": skipped, "tokens": tokens_seen,
-                     "seed": cfg.seed, "config": asdict(cfg)}
-            save_checkpoint(run_dir, step, model, state, tokenizer, cfg.keep_last, best, {"precision": precision})
-        if world > 1:
-            dist.barrier()
-
+    step, saved_at, stop = progress.step, progress.step, threading.Event()
     model.train()
-    step, saved_at = start, start
     try:
         with _StopOnSigterm() as stop:
-            if start == 0 and cfg.eval_every and validate is not None:
-                if baseline is not None:
-                    with exact():
-                        log({"step": 0, **baseline(model)})
-                else:
-                    log({"step": 0, **run_validation(0)})
+            if fresh and cfg.eval_every and validate is not None:
+                run.log({"step": 0, **run.validate(validate, 0)})
             t0 = time.perf_counter()
             while step < cfg.max_steps:
                 torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
@@ -325,28 +349,26 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
                     group["lr"] = lr
                 batch = _to(data.batch(step, cfg.batch_size, rank=rank, world_size=world), device)
                 out = train_step(fwd, objective, optimizer, _micro_batches(batch, micro), params, cfg.grad_clip,
-                                 world, autocast)
+                                 world, lambda: autocast(precision, device))
                 n_tokens, ok = out.pop("_tokens"), out.pop("_ok")
-                skipped += not ok
                 step += 1
-                tokens_seen += n_tokens
+                progress.skipped += not ok
+                progress.tokens += n_tokens
                 row = {"step": step, **out, "lr": lr, "tokens_per_s": n_tokens / (time.perf_counter() - t0),
-                       "tokens": tokens_seen, "skipped": skipped, **({} if ok else {"nonfinite": True})}
-                if cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps:
-                    row.update(run_validation(step))
-                log(row)
+                       "tokens": progress.tokens, "skipped": progress.skipped, **({} if ok else {"nonfinite": True})}
+                if validate is not None and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps):
+                    row.update(run.validate(validate, step))
+                run.log(row)
                 stopping = stop.is_set()
                 if world > 1:                          # every rank must stop at the same step
                     stopping = _all_reduce({"stop": float(stopping)}, device)["stop"] > 0
                 if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
-                    checkpoint(step)
+                    run.checkpoint(step)
                     saved_at = step
                 if stopping:
                     break
                 t0 = time.perf_counter()
     finally:
-        for sink in sinks:
-            if hasattr(sink, "close"):
-                sink.close()
-    return {"step": step, "skipped": skipped, "stopped": stop.is_set(), "saved_at": saved_at, "rows": rows,
-            "best": best, "precision": precision}
+        run.close()
+    return {"step": step, "skipped": progress.skipped, "stopped": stop.is_set(), "saved_at": saved_at,
+            "rows": run.rows, "best": progress.best, "precision": precision}

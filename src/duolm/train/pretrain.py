@@ -8,7 +8,7 @@ The CLI (`duolm pretrain`) and the demo call this; torchrun runs it as is (DDP o
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from duolm.data import (
 )
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import CAUSAL_LM, MLM_NSP
+from duolm.precision import resolve
 from duolm.tokenizers import load_tokenizer
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, loss_validator, train
@@ -103,7 +104,7 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
              on_start=None, on_log=None) -> dict:
     """Pretrain `family` ("gpt2" | "bert") on `data_dir` (written by duolm.data.prepare) into `run_dir`.
 
-    resume: continue from the run's newest complete checkpoint. on_start(model, device, start_step) and
+    resume: continue from the run's newest complete checkpoint. on_start(model, device, start_step, precision) and
     on_log(row) are called on rank 0 (the CLI prints and draws its progress bar from them). Returns
     train()'s result; the run folder holds checkpoints, metrics.jsonl, tb/ and loss.png."""
     mc, tc = model_config or ModelConfig(), train_config or TrainConfig()
@@ -111,9 +112,10 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
     try:
         model, objective, train_data, val_data, tok = build(family, data_dir, mc, tc.seed)
         model.to(dev)
+        tc = replace(tc, precision=resolve(tc.precision, dev, training=True))
         if on_start is not None and rank == 0:
             from duolm.runs import read_manifest
-            on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0)
+            on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision)
         result = train(model, objective, train_data, tc, run_dir, validate=loss_validator(objective, val_data, tc),
                        tokenizer=tok, resume=resume, on_log=on_log)
         if rank == 0:
