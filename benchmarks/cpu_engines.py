@@ -1,7 +1,8 @@
 """duolm vs CTranslate2 vs transformers on one CPU, the same random weights (saved once by transformers).
 
   * GPT-2 124M greedy decoding: a 32-token prompt, 128 new tokens (no early end), batch 1 and 8, in fp32
-    (duolm: duolm.precision.Inference("fp32"), oneDNN on packed weights; CTranslate2 compute_type float32;
+    (duolm: duolm.precision.quantize(model, "fp32"), oneDNN on packed weights where fp32_engine() picks it;
+    CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel);
@@ -27,6 +28,7 @@ matrix once, the tied output layer included). Prints the CPU, its bf16 support a
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -46,7 +48,8 @@ import torch
 from duolm.checkpoint import load
 from duolm.generation import generate
 from duolm.malloc import keep_freed_memory
-from duolm.precision import Inference, _linear_onednn, _pack_onednn, fp32_engine, machine
+from duolm.models.gpt2 import TiedLinear
+from duolm.precision import PackedLinear, _onednn, _pack, fp32_engine, machine, quantize
 
 PROMPT = 32
 PRODUCTS = "duolm fp32, products alone"       # batch 1: the matrix products of decoding without the rest
@@ -155,12 +158,12 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     # CTranslate2 takes token strings: the ids' names in its vocabulary file
     vocab = json.loads((folder / "gpt2-ct2-float32" / "vocabulary.json").read_text())
     ct2_prompts = [[vocab[i] for i in p] for p in prompts]
-    fp32, int8 = Inference("fp32"), Inference("int8")
+    fp32, int8 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8"))
 
-    def duolm(mode):
+    def duolm(model):
         def run():
-            with torch.inference_mode(), mode:
-                return [list(row) for row in zip(*generate(ours, prompts, new, temperature=0))]
+            with torch.inference_mode():
+                return [list(row) for row in zip(*generate(model, prompts, new, temperature=0))]
         return run
 
     def ctranslate(q):
@@ -183,7 +186,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
     if batch == 1:                    # in the same rounds: what duolm's fp32 rate would be with nothing but products
-        engines[PRODUCTS] = token_products(ours, new, fp32)
+        engines[PRODUCTS] = token_products(fp32, new)
         engines[PRODUCTS]()
     times = _rounds(engines, rounds)
     for worker in ct2.values():
@@ -201,11 +204,11 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     vocab = (folder / "bert-ct2-float32" / "vocabulary.json")
     names = json.loads(vocab.read_text()) if vocab.exists() else None
     tokens = [[names[i] for i in row] for row in idx.tolist()] if names else None
-    fp32 = Inference("fp32")
+    fp32 = quantize(ours, "fp32")
 
     def duolm():
-        with torch.inference_mode(), fp32:
-            return ours(idx)[0]
+        with torch.inference_mode():
+            return fp32(idx)[0]
 
     def ct2(pick=None):                        # the timed calls send nothing back
         return enc.call("forward_batch", pick, tokens if tokens is not None else idx.tolist())
@@ -223,17 +226,18 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     return times, diffs
 
 
-def token_products(model, tokens: int, mode):
+def token_products(model, tokens: int):
     """A function that runs the matrix products of `tokens` batch-1 tokens and nothing else: every linear layer of
-    `model` (GPT-2) and its tied output layer on one row each, inside `mode` (decoding's own path)."""
-    layers = [(m.weight, m.bias) for m in model.modules() if isinstance(m, torch.nn.Linear)] + [(model.wte.weight, None)]
-    xs = {w.shape[1]: torch.randn(1, w.shape[1]) for w, _ in layers}
+    `model` (a GPT-2 swapped by duolm.precision.quantize: decoding's own path), the tied output layer included, on
+    one row each."""
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, TiedLinear, PackedLinear))]
+    xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1]) for m in layers}
 
     def run():
-        with torch.inference_mode(), mode:
+        with torch.inference_mode():
             for _ in range(tokens):
-                for w, b in layers:
-                    torch.nn.functional.linear(xs[w.shape[1]], w, b)
+                for m in layers:
+                    m(xs[m.weight.shape[1]])
     return run
 
 
@@ -245,10 +249,10 @@ def layout_rows(rounds, rows=(1, 8, 128), copies=12):
     out = {}
     for n, k in ((2304, 768), (768, 768), (3072, 768), (768, 3072), (50304, 768)):
         ws = [torch.randn(n, k) * 0.02 for _ in range(1 if n > 10000 else copies)]
-        forms = {"plain": [_pack_onednn(w, 1) for w in ws], "blocked": [_pack_onednn(w, 64) for w in ws]}
+        forms = {"plain": [_pack(w, 1) for w in ws], "blocked": [_pack(w, 64) for w in ws]}
         for m in rows:
             x = torch.randn(m, k)
-            runs = {name: (lambda f=f: [_linear_onednn(x, w, None) for w in f]) for name, f in forms.items()}
+            runs = {name: (lambda f=f: [_onednn(x, w, None) for w in f]) for name, f in forms.items()}
             for f in runs.values():
                 f()
             out[n, k, m] = {name: t / len(ws) for name, t in _rounds(runs, rounds).items()}

@@ -9,7 +9,7 @@ call, from the moment the data is tokenized (both tokenize beforehand, untimed).
 --precision of fine-tuning, the same on both sides: fp32 (duolm's loop precision "fp32"; Trainer's
 default) or bf16 (duolm's loop precision "bf16": bf16 autocast, fp32 weights and optimizer state;
 Trainer(bf16=True), which autocasts the same way on CPU).
-Prediction, always fp32: `duolm.tasks.predict` inside duolm.precision.Inference("fp32") (what
+Prediction, always fp32: `duolm.tasks.predict` on duolm.precision.quantize(model, "fp32") (what
 `duolm predict` runs on CPU) against `pipeline("text-classification")` on the exported model, both
 with batches of 32 (the pipeline's default of 1 is also shown).
 The two sides alternate (ours, theirs, ours, theirs, ...); the ratio is of the medians. Prints the
@@ -33,6 +33,7 @@ starts 128 apart: the pipeline's doc_stride is their overlap, set per question),
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import importlib.util
 import json
@@ -52,7 +53,7 @@ import torch
 
 from duolm.checkpoint import load, save
 from duolm.models.heads import HeadConfig, attach_head
-from duolm.precision import Inference, machine
+from duolm.precision import machine, quantize
 from duolm.tasks import Files, TaskOptions, load_finetuned, predict
 from duolm.tasks.sentence import load_glue
 from duolm.tasks.span import read_squad
@@ -281,14 +282,14 @@ def trainer_flag(precision: str) -> str:
 
 
 @functools.cache
-def fp32_mode() -> Inference:
-    return Inference("fp32")            # one for the run: it keeps the packed weights between calls
+def fp32_model(model):
+    return quantize(copy.deepcopy(model), "fp32")      # one per model for the run: the weights packed once
 
 
 def fp32_predict(model, tok, inputs):
-    """What `duolm predict` runs on CPU: fp32 through oneDNN on non-Intel x86 CPUs (fp32_engine)."""
-    with fp32_mode():
-        return predict(model, tok, inputs, batch_size=32)
+    """What `duolm predict` runs on CPU: the model swapped by quantize(model, "fp32") (oneDNN where fp32_engine()
+    picks it)."""
+    return predict(fp32_model(model), tok, inputs, batch_size=32)
 
 
 def bench_sst2(args, mdir, tmp: Path):

@@ -2,19 +2,19 @@
 
 Same weights on both sides (copied with duolm.convert.hf), a 32-token prompt, 128 new tokens, greedy,
 batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
-  duolm plain fp32        generate() with no precision mode: PyTorch's F.linear (MKL)
-  duolm Inference(fp32)   inside duolm.precision.Inference("fp32"): oneDNN on packed weights on non-Intel x86
+  duolm plain fp32        generate() on the model as it is: PyTorch's F.linear (MKL)
+  duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): oneDNN on packed weights on non-Intel x86
                           CPUs (`duolm generate`'s CPU default); the same ids
   transformers fp32       GPT2LMHeadModel.generate
-  duolm Inference(int8)   int8 / bf16 matmuls (`duolm generate --precision int8 / bf16`): narrow
-  duolm Inference(bf16)   weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
+  duolm quantize(int8)    int8 / bf16 linears (`duolm generate --precision int8 / bf16`): narrow
+  duolm quantize(bf16)    weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
 Every round runs every row once, the order rotated each round; each row reports the median of
 --rounds rounds. Ratios: the fp32 rows over transformers fp32; the int8 / bf16 rows over duolm
-Inference(fp32). Batch-1 decoding is memory-bound: every token reads all weights once, so the bound
+quantize(fp32). Batch-1 decoding is memory-bound: every token reads all weights once, so the bound
 is (read bandwidth measured here) / (bytes one token reads: matrices at the row's width, the rest
 fp32, the mean KV cache).
 
-Then what the int8 / bf16 modes change in the numbers on these random weights: KL(fp32 || mode) and
+Then what the int8 / bf16 swaps change in the numbers on these random weights: KL(fp32 || mode) and
 top-1 agreement of next-token distributions on 1,024 WikiText-2 test tokens (perplexity of random
 weights means nothing; benchmarks/precision_quality.py measures trained weights).
 
@@ -23,7 +23,7 @@ weights means nothing; benchmarks/precision_quality.py measures trained weights)
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import functools
 import os
 import statistics
@@ -40,7 +40,7 @@ import torch
 from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
 from duolm.models import GPT2, GPT2Config
-from duolm.precision import Inference, fp32_engine, machine
+from duolm.precision import fp32_engine, machine, quantize
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WIDTH = {"fp32": 4, "bf16": 2, "int8": 1}           # bytes per matrix weight
@@ -67,8 +67,8 @@ def bytes_per_token(model, ctx, width=4):
     return width * matrices + 4 * (rest + 2 * cfg.n_layer * ctx * cfg.n_embd)
 
 
-def ours_run(model, prompts, new, mode):
-    with torch.inference_mode(), mode:
+def ours_run(model, prompts, new):
+    with torch.inference_mode():
         out = [[] for _ in prompts]
         for step in generate(model, prompts, new, temperature=0):
             for i, x in enumerate(step):
@@ -97,15 +97,13 @@ def rounds(runs: dict, new: int, n: int) -> tuple[dict, dict]:
     return {k: statistics.median(v) for k, v in times.items()}, ids
 
 
-def kl_and_agreement(model, mode, ids, T=128):
-    """Mean KL(fp32 || mode) in nats per token and the share of positions with the same argmax."""
+def kl_and_agreement(model, fast, ids, T=128):
+    """Mean KL(model || fast) in nats per token and the share of positions with the same argmax."""
     x = torch.tensor(ids[: (len(ids) // T) * T]).view(-1, T)
     kls, agree = 0.0, 0
     with torch.inference_mode():
         for row in x.split(4):
-            r = model(row).log_softmax(-1)
-            with mode:
-                q = model(row).log_softmax(-1)
+            r, q = model(row).log_softmax(-1), fast(row).log_softmax(-1)
             kls += (r.exp() * (r - q)).sum().item()
             agree += (r.argmax(-1) == q.argmax(-1)).sum().item()
     return kls / x.numel(), agree / x.numel()
@@ -138,19 +136,19 @@ def main():
           f"{os.getloadavg()[0]:.2f}\nGPT-2 124M random weights ({ours.num_params():,} params), prompt {P} tokens, "
           f"{N} new, greedy, median of {args.rounds} rounds", flush=True)
 
-    modes = {"duolm plain fp32": contextlib.nullcontext(), "duolm Inference(fp32)": Inference("fp32"),
-             "duolm Inference(int8)": Inference("int8"), "duolm Inference(bf16)": Inference("bf16")}
+    models = {"duolm plain fp32": ours, **{f"duolm quantize({p})": quantize(copy.deepcopy(ours), p)
+                                           for p in ("fp32", "int8", "bf16")}}
     bw = bandwidth_gbs()
     results = {}
     for B in (1, 8):
         prompts = prompts8[:B]
-        runs = {k: functools.partial(ours_run, ours, prompts, mode=mode) for k, mode in modes.items()}
+        runs = {k: functools.partial(ours_run, model, prompts) for k, model in models.items()}
         runs["transformers fp32"] = functools.partial(hf_run, hf, prompts)
         for run in runs.values():                        # warm-up: packing, kernel choice, allocator
             run(4)
         times, ids = rounds(runs, N, args.rounds)
         results[B] = {k: B * N / t for k, t in times.items()}
-        same = ids["duolm plain fp32"] == ids["duolm Inference(fp32)"] == ids["transformers fp32"]
+        same = ids["duolm plain fp32"] == ids["duolm quantize(fp32)"] == ids["transformers fp32"]
         print(f"\nbatch {B}: the fp32 rows give the same ids: {same}", flush=True)
     bw = max(bw, bandwidth_gbs())            # measured before and after the runs; the better one
     print(f"\nread bandwidth (1 GiB sum) {bw:.1f} GB/s; batch-1 bound = bandwidth / bytes per token "
@@ -159,7 +157,7 @@ def main():
           f"{'b8 ratio':>9}   ratio against")
     for k in results[1]:
         precision = k.split("(")[-1].rstrip(")") if "(" in k else "fp32"
-        base = "duolm Inference(fp32)" if precision in ("int8", "bf16") else "transformers fp32"
+        base = "duolm quantize(fp32)" if precision in ("int8", "bf16") else "transformers fp32"
         bound = bw * 1e9 / bytes_per_token(ours, P + N // 2, WIDTH[precision])
         r1, r8 = (results[B][k] / results[B][base] for B in (1, 8))
         print(f"{k:<24} {precision:>9} {results[1][k]:>9.1f} {r1:>8.2f}x {100 * results[1][k] / bound:>9.0f}% "
@@ -174,8 +172,8 @@ def main():
     ids = gpt2_tok.encode_ordinary(test_txt.read_text(encoding="utf-8")[:6_000])[:1024]
     print("\nrandom 124M weights, next-token distributions on the first 1,024 tokens of WikiText-2 test, "
           "against plain fp32:")
-    for name in ("duolm Inference(fp32)", "duolm Inference(int8)", "duolm Inference(bf16)"):
-        kl, agree = kl_and_agreement(ours, modes[name], ids)
+    for name in ("duolm quantize(fp32)", "duolm quantize(int8)", "duolm quantize(bf16)"):
+        kl, agree = kl_and_agreement(ours, models[name], ids)
         print(f"  {name:<22} KL {kl:.2e} nats/token, top-1 agreement {100 * agree:.2f}%")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

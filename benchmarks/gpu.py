@@ -36,7 +36,7 @@ from duolm.convert import hf as conv
 from duolm.generation import generate
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
-from duolm.precision import training
+from duolm.precision import autocast
 from duolm.train.optim import make_optimizer
 
 import transformers  # noqa: E402  (test/benchmark-only dependency)
@@ -74,7 +74,7 @@ def interleaved(sides: dict, tokens: int, steps: int, rounds: int) -> dict:
 def train_step(model, loss_of, opt):
     """One optimizer step: loss_of() under bf16 autocast (compiled), backward, clip 1.0, fused AdamW."""
     def run():
-        with training("bf16", CUDA, kernels=False):
+        with autocast("bf16", CUDA):
             loss = loss_of()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

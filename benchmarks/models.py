@@ -13,14 +13,15 @@ duolm.malloc.keep_freed_memory(), as the `duolm` command does, and both sides ru
 glibc's defaults for both).
 
 Sides, by --precision (each row names its precision):
-  fp32  training: duolm inside duolm.precision.training("fp32", "cpu") (the Training mode of `duolm pretrain` /
-        `finetune`: oneDNN linears where they win, faster dropout masks), duolm plain, transformers fp32.
-        inference: duolm inside duolm.precision.Inference("fp32") (oneDNN on packed weights, the
-        path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear, MKL), transformers fp32.
-  bf16  training: duolm under duolm.precision.training("bf16", "cpu") (autocast + faster dropout) vs transformers under
-        torch.autocast("cpu", dtype=torch.bfloat16) (the same autocast), and vs transformers fp32.
-        inference: duolm inside Inference("bf16") (bf16 weights, fp32 activations) vs transformers
-        under bf16 autocast, and vs transformers fp32.
+  fp32  training: duolm fp32 (what `duolm pretrain` / `finetune` run: the models' CPU dropout, duolm.models.dropout),
+        transformers fp32.
+        inference: duolm on the model swapped by duolm.precision.quantize(model, "fp32") (oneDNN on packed weights
+        where fp32_engine() picks it, the path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear,
+        MKL), transformers fp32.
+  bf16  training: duolm under bf16 autocast vs transformers under the same torch.autocast("cpu", dtype=bfloat16),
+        and vs transformers fp32.
+        inference: duolm on quantize(model, "bf16") (bf16 weights, fp32 activations), duolm plain under bf16
+        autocast (the public path it replaces), transformers under bf16 autocast, transformers fp32.
 Ratios are duolm's tokens/s over each other side's, median of the rounds' ratios.
 
 Cases (tokens/s = batch * seq / step time):
@@ -47,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import os
 import statistics
@@ -64,7 +66,7 @@ from duolm.convert import hf as conv
 from duolm.malloc import keep_freed_memory
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
-from duolm.precision import Inference, fp32_engine, machine, training
+from duolm.precision import fp32_engine, machine, quantize
 
 try:
     import transformers
@@ -77,24 +79,23 @@ transformers.logging.set_verbosity_error()
 # ---------------------------------------------------------------------------------------------
 # Sides and timing
 
-def sides(precision: str, train: bool, ours, theirs) -> dict:
-    """{row name: step} for this precision; ours(ctx) / theirs(ctx) make a step run inside ctx().
-    The first row is duolm's, the one the ratios are of."""
+def sides(precision: str, train: bool, ours, theirs, model=None) -> dict:
+    """{row name: step} for this precision; ours(ctx) (training) / ours(model, ctx) (inference) and theirs(ctx) make
+    a step run inside ctx(). The first row is duolm's, the one the ratios are of; inference runs it on a copy of
+    `model` swapped by duolm.precision.quantize, as `duolm predict` / `generate` / `serve` do."""
     plain = contextlib.nullcontext
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)
-    if precision == "fp32" and train:
-        return {"duolm fp32 Training": ours(lambda: training("fp32", "cpu")), "duolm plain fp32": ours(plain),
-                "transformers fp32": theirs(plain)}
-    if precision == "fp32":
-        engine = Inference("fp32")
-        return {f"duolm Inference(fp32) [{engine.engine}]": ours(lambda: engine), "duolm plain fp32 [mkl]": ours(plain),
-                "transformers fp32": theirs(plain)}
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)    # noqa: E731
     if train:
-        return {"duolm bf16 autocast": ours(lambda: training("bf16", "cpu")),
-                "transformers bf16 autocast": theirs(autocast), "transformers fp32": theirs(plain)}
-    engine = Inference("bf16")
-    return {"duolm Inference(bf16)": ours(lambda: engine), "transformers bf16 autocast": theirs(autocast),
-            "transformers fp32": theirs(plain)}
+        if precision == "fp32":
+            return {"duolm fp32": ours(plain), "transformers fp32": theirs(plain)}
+        return {"duolm bf16 autocast": ours(autocast), "transformers bf16 autocast": theirs(autocast),
+                "transformers fp32": theirs(plain)}
+    fast = quantize(copy.deepcopy(model), precision)
+    if precision == "fp32":
+        return {f"duolm quantize(fp32) [{fp32_engine()}]": ours(fast, plain), "duolm plain fp32 [mkl]": ours(model, plain),
+                "transformers fp32": theirs(plain)}
+    return {"duolm quantize(bf16)": ours(fast, plain), "duolm plain under bf16 autocast": ours(model, autocast),
+            "transformers bf16 autocast": theirs(autocast), "transformers fp32": theirs(plain)}
 
 
 def timed(fn) -> float:
@@ -204,8 +205,7 @@ def case_gpt2_infer(precision, rounds):
     with torch.inference_mode():
         want = theirs(x[:1, :32]).logits
         torch.testing.assert_close(ours(x[:1, :32]), want, atol=1e-4, rtol=0)
-        with Inference("fp32"):
-            torch.testing.assert_close(ours(x[:1, :32]), want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(quantize(copy.deepcopy(ours), "fp32")(x[:1, :32]), want, atol=1e-4, rtol=0)
 
     def step(model, ctx):
         def run():
@@ -214,7 +214,7 @@ def case_gpt2_infer(precision, rounds):
         return run
 
     return run_case(f"GPT-2 124M inference forward {B}x{T}",
-                    sides(precision, False, lambda ctx: step(ours, ctx), lambda ctx: step(theirs, ctx)),
+                    sides(precision, False, step, lambda ctx: step(theirs, ctx), ours),
                     B * T, gpt2_flops(cfg, T), gpt2_probe(cfg, B * T), precision, rounds)
 
 
@@ -302,8 +302,7 @@ def case_bert_infer(precision, rounds):
     with torch.inference_mode():
         want = theirs(x[:1]).last_hidden_state
         torch.testing.assert_close(ours(x[:1])[0], want, atol=1e-4, rtol=0)
-        with Inference("fp32"):
-            torch.testing.assert_close(ours(x[:1])[0], want, atol=1e-4, rtol=0)
+        torch.testing.assert_close(quantize(copy.deepcopy(ours), "fp32")(x[:1])[0], want, atol=1e-4, rtol=0)
 
     def step(model, ctx):
         def run():
@@ -314,7 +313,7 @@ def case_bert_infer(precision, rounds):
     C = cfg.n_embd
     probe = [(B * T, C, 3 * C), (B * T, C, cfg.n_inner), (B * T, cfg.n_inner, C)]
     return run_case(f"BERT-base encoder inference {B}x{T}",
-                    sides(precision, False, lambda ctx: step(ours, ctx), lambda ctx: step(theirs, ctx)),
+                    sides(precision, False, step, lambda ctx: step(theirs, ctx), ours),
                     B * T, bert_flops(cfg, T, 0), probe, precision, rounds)
 
 

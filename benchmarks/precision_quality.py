@@ -16,7 +16,7 @@
     as dev (dev_fraction 0.1; GLUE's dev set is not on this machine), 2 epochs, lr 5e-5, batch 32, seed 0,
     duolm.train.finetune.finetune in loop precision fp32 and bf16: dev accuracy and F1 of each (target: bf16
     within 1 point of fp32) and the wall time.
-Inference precisions: duolm.precision.Inference; "plain fp32" is the model with no mode (F.linear).
+Inference precisions: duolm.precision.quantize; "plain fp32" is the model as it is (F.linear).
 Prints the CPU, its bf16 support and the load average at the start.
 
     python benchmarks/precision_quality.py                      # all three parts, about 15 minutes
@@ -25,7 +25,7 @@ Prints the CPU, its bf16 support and the load average at the start.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import importlib.util
 import math
 import os
@@ -45,7 +45,7 @@ from duolm.checkpoint import load
 from duolm.data import prepare
 from duolm.generation import generate
 from duolm.metrics import spearman
-from duolm.precision import Inference, machine
+from duolm.precision import machine, quantize
 from duolm.serve.encoders import embed, read_pooling
 from duolm.tasks import Files, TaskOptions
 from duolm.tasks.sentence import load_glue
@@ -64,9 +64,9 @@ def minilm_dir() -> Path:
     return Path(spec.submodule_search_locations[0]) / "model"
 
 
-def modes() -> dict:
-    """{name: context}: plain fp32 (the reference) and the Inference modes."""
-    return {"plain fp32": contextlib.nullcontext(), **{f"Inference({m})": Inference(m) for m in MODES}}
+def swaps(model) -> dict:
+    """{name: model}: plain fp32 (the reference) and its copies swapped by duolm.precision.quantize."""
+    return {"plain fp32": model, **{f"quantize({m})": quantize(copy.deepcopy(model), m) for m in MODES}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -84,9 +84,8 @@ def embeddings():
     print(f"\n(a) all-MiniLM-L6-v2, {pooling.mode} pooling, normalised: {len(texts)} STS-B train sentences "
           f"({len(pairs)} pairs spread over {len(rows)} rows), against plain fp32", flush=True)
     vecs = {}
-    for name, mode in modes().items():
-        with mode:
-            vecs[name] = torch.stack(embed(model, ids, pooling, batch_size=32))
+    for name, swapped in swaps(model).items():
+        vecs[name] = torch.stack(embed(swapped, ids, pooling, batch_size=32))
         cos = (vecs[name] * vecs["plain fp32"]).sum(-1)
         pair_cos = (vecs[name][:len(pairs)] * vecs[name][len(pairs):]).sum(-1).tolist()
         print(f"  {name:<16} cosine to fp32: min {cos.min().item():.6f}, mean {cos.mean().item():.6f}; "
@@ -144,11 +143,10 @@ def language_model(tmp: Path, steps: int, vocab: int, n_prompts: int):
     print(f"  WikiText-2 test: {len(ids):,} tokens, perplexity over windows of {T}; greedy: {len(prompts)} prompts "
           f"of 32 tokens, 64 new", flush=True)
     ppl, top1, greedy = {}, {}, {}
-    for name, mode in modes().items():
-        with mode:
-            ppl[name], top1[name] = perplexity(model, ids, T)
-            with torch.inference_mode():
-                greedy[name] = [list(step) for step in generate(model, prompts, 64, temperature=0)]
+    for name, swapped in swaps(model).items():
+        ppl[name], top1[name] = perplexity(swapped, ids, T)
+        with torch.inference_mode():
+            greedy[name] = [list(step) for step in generate(swapped, prompts, 64, temperature=0)]
         same = sum(a == b for x, y in zip(greedy[name], greedy["plain fp32"]) for a, b in zip(x, y))
         whole = sum(x == y for x, y in zip(zip(*greedy[name]), zip(*greedy["plain fp32"])))
         agree = (top1[name] == top1["plain fp32"]).float().mean().item()

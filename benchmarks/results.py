@@ -138,14 +138,14 @@ def _clean(metrics: dict) -> dict:
 
 def run_task(key: str, spec: Spec, runs: Path, results: Path, resume: bool, reference: bool, log) -> dict:
     """The grid on seed 0, the other seeds at the chosen rate, the reference; results/key.json after each."""
-    from duolm.precision import choose, machine
+    from duolm.precision import machine, resolve
     from duolm.train.finetune import summarize
 
     path = results / f"{key}.json"
     rec = json.loads(path.read_text()) if resume and path.exists() else {}
     rec.update({"key": key, "label": spec.label, "model": "all-MiniLM-L6-v2", "task": spec.task,
                 "files": spec.files, "options": spec.options, "epochs": spec.epochs, "grid": list(spec.grid),
-                "seeds": list(SEEDS), "precision": choose("auto", "cpu", training=True), "machine": machine()})
+                "seeds": list(SEEDS), "precision": resolve("auto", "cpu", training=True), "machine": machine()})
     rec.setdefault("runs", [])
 
     def run(lr, seed):
