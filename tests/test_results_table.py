@@ -1,5 +1,6 @@
-"""README.md's fine-tuning results table is generated from results/*.json (benchmarks/results.py): the committed
-table must equal what the committed files give, and a changed file must be caught."""
+"""README.md's fine-tuning results table and speed table, and docs/benchmarks.md's table of every speed row, are
+generated from results/*.json (benchmarks/results.py): the committed tables must equal what the committed files
+give, and a changed file must be caught."""
 import importlib.util
 import json
 import shutil
@@ -23,7 +24,7 @@ def _check(*args):
     return subprocess.run([sys.executable, str(SCRIPT), "--check", *args], capture_output=True, text=True, cwd=ROOT)
 
 
-def test_readme_table_equals_the_result_files():
+def test_the_tables_equal_the_result_files():
     out = _check()
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -38,15 +39,62 @@ def _record(values, lr=5e-5):
             "std": {"f1": 0.05, "accuracy": 0.05}}
 
 
+def _copies(tmp_path):
+    """The README, docs/benchmarks.md and results/ copied under tmp_path: the --check arguments that read them."""
+    shutil.copytree(ROOT / "results", tmp_path / "results")
+    for name in ("README.md", "benchmarks.md"):
+        shutil.copy(ROOT / name if name == "README.md" else ROOT / "docs" / name, tmp_path / name)
+    args = ("--readme", str(tmp_path / "README.md"), "--docs", str(tmp_path / "benchmarks.md"),
+            "--results", str(tmp_path / "results"))
+    assert _check(*args).returncode == 0
+    return tmp_path / "results", args
+
+
 def test_a_changed_result_file_fails_the_check(tmp_path):
-    results = tmp_path / "results"
-    shutil.copytree(ROOT / "results", results) if (ROOT / "results").is_dir() else results.mkdir()
-    readme = tmp_path / "README.md"
-    shutil.copy(ROOT / "README.md", readme)
-    assert _check("--readme", str(readme), "--results", str(results)).returncode == 0
+    results, args = _copies(tmp_path)
     (results / "mrpc.json").write_text(json.dumps(_record([0.81, 0.86, 0.91])))
-    out = _check("--readme", str(readme), "--results", str(results))
+    out = _check(*args)
     assert out.returncode == 1 and "+| MRPC | 3,302 / 367 |" in out.stdout
+
+
+def test_a_changed_speed_row_fails_the_check_of_both_tables(tmp_path):
+    """A README row (gpt2-infer) re-measured on another machine: the README's and docs' tables both differ."""
+    results, args = _copies(tmp_path)
+    speed = json.loads((results / "speed-cpu.json").read_text())
+    row = next(r for r in speed["rows"] if r["key"] == "gpt2-infer")
+    row.update(ratio=1.99, date="2027-01-02", machine={**row["machine"], "cpu": "Some CPU"})
+    (results / "speed-cpu.json").write_text(json.dumps(speed))
+    out = _check(*args)
+    assert out.returncode == 1
+    changed = [line for line in out.stdout.splitlines() if line.startswith("+| GPT-2 124M inference")]
+    assert len(changed) == 2 and all("1.99x" in line and "Some CPU" in line for line in changed)
+    assert "2027-01-02 |" in changed[0] and "| 2027-01-02 |" in changed[1]      # README first, then docs
+
+
+def test_every_speed_row_is_in_the_docs_table_and_names_its_machine_and_date():
+    R = _results_module()
+    rows, table = R.speed_rows(), R.speed_table().splitlines()[2:]
+    assert len(table) == len(rows) and set(R.HEADLINE) <= {r["key"] for r in rows}
+    for row, line in zip(rows, table):
+        assert f"| {row['date']} |" in line and (row["machine"].get("gpu") or row["machine"]["cpu"]) in line
+
+
+def test_gpu_rows_read_a_gpu_result_file():
+    """benchmarks/gpu.py's cases (tokens/s, MFU, ratio) and the served model's figures, as speed rows."""
+    R = _results_module()
+    rec = {"gpu": "Some GPU", "date": "2027-01-02", "runs": {"run 3": "python benchmarks/serve.py --device cuda"},
+           "cases": [{"case": "gpt2-train", "duolm_tokens_per_s": 476306.4, "transformers_tokens_per_s": 20073.9,
+                      "ratio": 23.7279, "duolm_mfu": 0.49973, "transformers_mfu": 0.021}],
+           "serve": {"run": "run 3", "requests": 128, "prompt_tokens_mean": 24, "new_tokens": 64,
+                     "library_alone_tokens_per_s": 400.2, "duolm_serve_tokens_per_s": {"1": 276.9, "16": 1845.5},
+                     "aggregate_16_vs_1": 6.67}}
+    train, one, sixteen = R.gpu_rows(rec)
+    assert (train["duolm"], train["reference_figure"], train["ratio"]) == \
+        ("476K tokens/s, 50.0% MFU", "20.1K tokens/s, 2.1% MFU", 23.73)
+    assert train["machine"] == {"gpu": "Some GPU"} and train["date"] == "2027-01-02"
+    assert (one["duolm"], one["ratio"], one["reference_figure"]) == ("277 tokens/s", None, "400 tokens/s")
+    assert (sixteen["duolm"], sixteen["ratio"], sixteen["reference"]) == ("1,846 tokens/s", 6.67, "1 client")
+    assert sixteen["command"] == "python benchmarks/serve.py --device cuda"
 
 
 def test_a_row_shows_the_mean_std_and_every_seed(tmp_path):
