@@ -563,6 +563,7 @@ def test_summarize_picks_the_rate_by_its_mean():
 
 def test_cli_finetune_predict_evaluate(tiny_bert_dir, sst2_csv, tmp_path, capsys, one_thread):
     from duolm.cli import main
+    from duolm.precision import resolve
 
     run = tmp_path / "run"
     main(["finetune", str(tiny_bert_dir), "--task", "classify", "--train", str(sst2_csv / "train.csv"),
@@ -572,6 +573,9 @@ def test_cli_finetune_predict_evaluate(tiny_bert_dir, sst2_csv, tmp_path, capsys
     assert "classify (classify, labels neg pos), 96 train, 40 dev; 1 run(s) of 6 steps" in out
     assert "train input(s) longer than 24 tokens were cut" in out and "| mean ± std (1 seed) |" in out
     results = json.loads((run / "results.json").read_text())
+    auto = resolve("auto", "cpu", training=True)               # resolved once, recorded where the run is described
+    assert f"in {auto}" in out and results["precision"] == auto
+    assert json.loads((run / "checkpoint.json").read_text())["precision"] == auto
 
     main(["evaluate", str(run), "--dev", str(sst2_csv / "dev.csv"), "--text-column", "review",
           "--label-column", "sentiment", "--json"])

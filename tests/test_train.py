@@ -389,6 +389,16 @@ def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path):
     assert json.loads((b / "checkpoint.json").read_text())["precision"] == "bf16"
 
 
+def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path):
+    """`duolm pretrain --precision auto` resolves it once: the header says what it became, the manifest records it."""
+    from duolm.precision import resolve
+
+    p = _pretrain(gpt2_data, tmp_path / "run", "--max-steps", "2", "--precision", "auto")
+    auto = resolve("auto", "cpu", training=True)
+    assert f"parameters on cpu in {auto}" in p.stdout, p.stdout
+    assert json.loads((tmp_path / "run" / "checkpoint.json").read_text())["precision"] == auto
+
+
 def test_torchrun_ddp_matches_one_process(gpt2_data, tmp_path):
     one = _pretrain(gpt2_data, tmp_path / "one", "--max-steps", "6")
     two = _pretrain(gpt2_data, tmp_path / "two", "--max-steps", "6",
