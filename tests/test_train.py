@@ -11,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -326,7 +327,8 @@ def gpt2_data(tmp_path_factory):
     return d / "data"
 
 
-def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
+def _pretrain_command(data, run, *extra, launcher=(), crash=None):
+    """(command, environment) of a tiny `duolm pretrain gpt2` of 12 steps (extra flags override)."""
     start = [sys.executable, str(ROOT / "tests" / "crash_at.py"), crash] if crash else \
         [*(launcher or [sys.executable]), "-m", "duolm"]
     cmd = [*start, "pretrain", "gpt2", "--data", str(data), "-o", str(run),
@@ -337,6 +339,11 @@ def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
     # reproducibility (without it MKL may pick kernels by memory alignment, a different rounding per process).
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "MKL_CBWR": "COMPATIBLE",
            "PYTHONPATH": str(ROOT / "src")}
+    return cmd, env
+
+
+def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
+    cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if check:
         assert p.returncode == 0, p.stdout + p.stderr
@@ -397,6 +404,28 @@ def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path):
     auto = resolve("auto", "cpu", training=True)
     assert f"parameters on cpu in {auto}" in p.stdout, p.stdout
     assert json.loads((tmp_path / "run" / "checkpoint.json").read_text())["precision"] == auto
+
+
+def test_one_run_directory_has_one_writer(gpt2_data, tmp_path):
+    """A second `duolm pretrain` into a directory another process is training into is refused at once, in one line
+    naming the directory and the holder; the first run completes intact (every step logged once)."""
+    run = tmp_path / "run"
+    cmd, env = _pretrain_command(gpt2_data, run, "--max-steps", "60", "--checkpoint-every", "20")
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not ((run / ".lock").is_file() and f"process {first.pid}" in (run / ".lock").read_text()):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
+        second = _pretrain(gpt2_data, run, "--max-steps", "60", "--resume", check=False)
+        out, err = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert str(run) in second.stderr and f"process {first.pid} on " in second.stderr, second.stderr
+    assert first.returncode == 0, out + err
+    assert [r["step"] for r in read_metrics(run) if "loss" in r] == list(range(1, 61))
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 60
 
 
 def test_torchrun_ddp_matches_one_process(gpt2_data, tmp_path):

@@ -5,6 +5,7 @@
     RUN/best/              the best model so far by a chosen metric (fine-tuning), when asked for
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tb/, RUN/loss.png  TensorBoard events and the loss curve (written by duolm.train.logs)
+    RUN/.lock              held (an OS lock) by the one process that writes the run: hold()
 
 A checkpoint is written into RUN/.tmp-ckpt-XXXXXXXX, renamed into place, and only then named by the
 manifest (written atomically, last): a checkpoint the manifest does not name is never loaded, so a
@@ -12,9 +13,12 @@ run killed at any moment resumes from the last complete one.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
+import socket
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +26,30 @@ from duolm.fileio import read_json, write_error, write_json, write_text
 
 MANIFEST = "checkpoint.json"
 METRICS = "metrics.jsonl"
+LOCK = ".lock"
+
+
+@contextlib.contextmanager
+def hold(run_dir):
+    """While inside, this process is the run directory's one writer: an exclusive OS lock (flock) on RUN/.lock,
+    which names the holder (pid, host). Another process asking for it is refused at once with a ValueError that
+    names the directory and the holder: two trainings in one directory would mix their checkpoints and logs. The
+    OS drops the lock when its process ends, however it ends, so a killed run resumes without a stale lock."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "another process"
+            raise ValueError(f"{run_dir} is being written by {holder}; one run directory has one writer "
+                             f"(wait for it, or choose another directory)") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield run_dir
+    finally:
+        os.close(fd)                                   # releases the lock
 
 
 def ckpt_name(step: int) -> str:

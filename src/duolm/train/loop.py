@@ -314,7 +314,8 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     validate(model, step) -> {name: value}: the caller's validation, run every cfg.eval_every steps, at step 0 of a
           fresh run and at the end, in the precision it chooses (see loss_validator). With cfg.select_metric, the
           best model by that metric is kept in RUN/best/.
-    run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written).
+    run_dir: where rank 0 writes checkpoints, metrics.jsonl and tb/ (None: nothing is written), holding it as its
+          one writer (duolm.runs.hold: a second process training into it is refused).
     resume: continue from the newest complete checkpoint in run_dir (a fresh start when there is none).
     on_log(row): called on rank 0 with every metrics row (the CLI draws its progress bar from it).
     Torch.distributed, when initialised (torchrun), makes this DDP: the global batch is split over ranks.
@@ -325,50 +326,51 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     device = next(model.parameters()).device
     micro = _micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)
-    optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
-    progress = _resume(run_dir, model, optimizer, precision) if resume and run_dir is not None else _Progress()
-    fresh = progress.step == 0
-    sinks = open_logs(run_dir, None if fresh else progress.step, tensorboard) if rank == 0 and run_dir else []
-    sinks += [on_log] if on_log is not None and rank == 0 else []
-    run = _Run(model, optimizer, cfg, run_dir, tokenizer, precision, progress, sinks, world)
     fwd = model if world == 1 else nn.parallel.DistributedDataParallel(
         model, device_ids=[device] if device.type == "cuda" else None)
     fwd = torch.compile(fwd) if cfg.compile else fwd
     params = [p for p in model.parameters() if p.requires_grad]
-    step, saved_at, stop = progress.step, progress.step, threading.Event()
-    model.train()
-    try:
-        with _StopOnSigterm() as stop:
-            if fresh and cfg.eval_every and validate is not None:
-                run.log({"step": 0, **run.validate(validate, 0)})
+    with contextlib.ExitStack() as stack:
+        if rank == 0 and run_dir is not None:
+            stack.enter_context(runs.hold(run_dir))         # the run directory's one writer, or a ValueError
+        optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)
+        progress = _resume(run_dir, model, optimizer, precision) if resume and run_dir is not None else _Progress()
+        fresh = progress.step == 0
+        sinks = open_logs(run_dir, None if fresh else progress.step, tensorboard) if rank == 0 and run_dir else []
+        sinks += [on_log] if on_log is not None and rank == 0 else []
+        run = _Run(model, optimizer, cfg, run_dir, tokenizer, precision, progress, sinks, world)
+        stack.callback(run.close)
+        stop = stack.enter_context(_StopOnSigterm())
+        step, saved_at = progress.step, progress.step
+        model.train()
+        if fresh and cfg.eval_every and validate is not None:
+            run.log({"step": 0, **run.validate(validate, 0)})
+        t0 = time.perf_counter()
+        while step < cfg.max_steps:
+            torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
+            lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = _to(data.batch(step, cfg.batch_size, rank=rank, world_size=world), device)
+            out = train_step(fwd, objective, optimizer, _micro_batches(batch, micro), params, cfg.grad_clip, world,
+                             lambda: autocast(precision, device))
+            n_tokens, ok = out.pop("_tokens"), out.pop("_ok")
+            step += 1
+            progress.skipped += not ok
+            progress.tokens += n_tokens
+            row = {"step": step, **out, "lr": lr, "tokens_per_s": n_tokens / (time.perf_counter() - t0),
+                   "tokens": progress.tokens, "skipped": progress.skipped, **({} if ok else {"nonfinite": True})}
+            if validate is not None and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps):
+                row.update(run.validate(validate, step))
+            run.log(row)
+            stopping = stop.is_set()
+            if world > 1:                          # every rank must stop at the same step
+                stopping = _all_reduce({"stop": float(stopping)}, device)["stop"] > 0
+            if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
+                run.checkpoint(step)
+                saved_at = step
+            if stopping:
+                break
             t0 = time.perf_counter()
-            while step < cfg.max_steps:
-                torch.manual_seed(_step_seed(cfg.seed, step, rank))   # dropout masks: a function of the step
-                lr = lr_at(step, cfg.lr, cfg.warmup_steps, cfg.max_steps, cfg.decay, cfg.min_lr)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                batch = _to(data.batch(step, cfg.batch_size, rank=rank, world_size=world), device)
-                out = train_step(fwd, objective, optimizer, _micro_batches(batch, micro), params, cfg.grad_clip,
-                                 world, lambda: autocast(precision, device))
-                n_tokens, ok = out.pop("_tokens"), out.pop("_ok")
-                step += 1
-                progress.skipped += not ok
-                progress.tokens += n_tokens
-                row = {"step": step, **out, "lr": lr, "tokens_per_s": n_tokens / (time.perf_counter() - t0),
-                       "tokens": progress.tokens, "skipped": progress.skipped, **({} if ok else {"nonfinite": True})}
-                if validate is not None and (cfg.eval_every and step % cfg.eval_every == 0 or step == cfg.max_steps):
-                    row.update(run.validate(validate, step))
-                run.log(row)
-                stopping = stop.is_set()
-                if world > 1:                          # every rank must stop at the same step
-                    stopping = _all_reduce({"stop": float(stopping)}, device)["stop"] > 0
-                if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or step == cfg.max_steps or stopping:
-                    run.checkpoint(step)
-                    saved_at = step
-                if stopping:
-                    break
-                t0 = time.perf_counter()
-    finally:
-        run.close()
     return {"step": step, "skipped": progress.skipped, "stopped": stop.is_set(), "saved_at": saved_at,
             "rows": run.rows, "best": progress.best, "precision": precision}
