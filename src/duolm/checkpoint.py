@@ -399,17 +399,12 @@ def _unwrap(model):
             return model
 
 
-def _family(model):
-    if isinstance(model, HEAD_MODELS):
-        return ("gpt2" if isinstance(model.config, GPT2Config) else "bert"), False
-    if isinstance(model, GPT2):
-        return "gpt2", False
-    if isinstance(model, BertForPreTraining):
-        return "bert", True
-    if isinstance(model, Bert):
-        return "bert", False
-    raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert, BertForPreTraining or a "
-                     f"fine-tuned head model ({', '.join(c.__name__ for c in HEAD_MODELS)})")
+def _family(model) -> tuple[str, bool]:
+    """(the family, whether the MLM and NSP heads are saved) of a model save() takes."""
+    if not isinstance(model, (GPT2, Bert, BertForPreTraining, *HEAD_MODELS)):
+        raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert, BertForPreTraining or a "
+                         f"fine-tuned head model ({', '.join(c.__name__ for c in HEAD_MODELS)})")
+    return model.config.family, isinstance(model, BertForPreTraining)
 
 
 def _save_safetensors(sd: dict, file: Path):

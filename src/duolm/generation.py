@@ -15,6 +15,8 @@ from enum import Enum
 import torch
 import torch.nn.functional as F
 
+from duolm.models import BertForPreTraining
+
 
 # ---------------------------------------------------------------------------------------------
 # Sampling filters: pure functions, logits (B, V) -> logits (B, V); removed tokens become -inf
@@ -366,7 +368,7 @@ def fill_mask(model, ids, mask_id, top_k=5, segment_ids=None) -> list:
     V = model.config.vocab_size
     if not isinstance(top_k, int) or not 1 <= top_k <= V:
         raise ValueError(f"top_k={top_k!r} must be an int in [1, {V}]")
-    if not hasattr(model, "mlm"):
+    if not isinstance(model, BertForPreTraining):
         raise ValueError("fill_mask needs a BERT model with its masked-LM head (BertForPreTraining)")
     if min(ids) < 0 or max(ids) >= V:
         raise ValueError(f"token ids must be in [0, {V}); got min {min(ids)}, max {max(ids)}")

@@ -8,13 +8,14 @@ import codecs
 import torch
 
 from duolm.generation import StopReason, beam_search, fill_mask, generate
+from duolm.models import GPT2, BertForPreTraining
 
 
 def fill_mask_text(model, tokenizer, text: str, top_k: int = 5) -> tuple[list, str]:
     """fill_mask on text: `text` holds one or more "[MASK]" (typed by the user, so the WordPiece
     tokenizer keeps it as the mask token). -> ([[(piece, probability), ...] per mask], the text with
     every mask replaced by its most likely piece)."""
-    if not hasattr(model, "mlm"):
+    if not isinstance(model, BertForPreTraining):
         raise ValueError(f"fill-mask needs a BERT model with its masked-LM head, got {type(model).__name__} "
                          f"(BertForPreTraining, or HF BertForMaskedLM / BertForPreTraining)")
     if tokenizer is None or not hasattr(tokenizer, "mask_id"):
@@ -107,7 +108,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
     shown), a `stop` string (cut before it), max_new_tokens or a full window. num_beams > 1: beam
     search (deterministic; the text comes in one piece). seed: reproducible sampling (None: fresh).
     Faster CPU decoding, same numbers: iterate inside `with duolm.precision.Inference("fp32"):`."""
-    if not hasattr(model, "hidden") or not hasattr(model, "head"):
+    if not isinstance(model, GPT2):
         raise ValueError(f"generate_text needs a GPT-2 model, got {type(model).__name__} (for BERT use fill_mask)")
     if tokenizer is None or not hasattr(tokenizer, "decode_bytes"):
         raise ValueError("generate_text needs the model's byte-level BPE tokenizer (vocab.json + merges.txt)")

@@ -13,6 +13,7 @@ import base64
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from duolm.models import BertForPreTraining
 from duolm.serve.completions import to_id_lists
 from duolm.serve.deps import Served
 from duolm.serve.encoders import embed
@@ -32,7 +33,7 @@ def router(s: Served) -> APIRouter:
     for any other model."""
     r = APIRouter()
     model, tok, cfg = s.model, s.tokenizer, s.model.config
-    bert, mlm = s.family == "bert", hasattr(s.model, "mlm")
+    bert, mlm = s.family == "bert", isinstance(s.model, BertForPreTraining)
 
     def embed_fn(ids):
         return embed(model, ids, s.pooling)
