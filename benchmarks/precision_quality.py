@@ -80,7 +80,7 @@ def embeddings():
     pairs = rows[::len(rows) // 50][:50]
     texts = [e.text_a for e in pairs] + [e.text_b for e in pairs]
     gold = [float(e.label) for e in pairs]
-    ids = [tok.encode(t, max_length=pooling.max_length or model.config.block_size).ids for t in texts]
+    ids = [tok.encode_with_offsets(t, max_length=pooling.max_length or model.config.block_size).ids for t in texts]
     print(f"\n(a) all-MiniLM-L6-v2, {pooling.mode} pooling, normalised: {len(texts)} STS-B train sentences "
           f"({len(pairs)} pairs spread over {len(rows)} rows), against plain fp32", flush=True)
     vecs = {}

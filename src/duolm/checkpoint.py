@@ -39,6 +39,7 @@ from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
 from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, head_model
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
+from duolm.tokenizers.files import ENDOFTEXT
 
 FORMAT = "duolm"
 FORMAT_VERSION = 1
@@ -371,7 +372,8 @@ def save(model, path, tokenizer=None, format="duolm"):
         arch = _hf.HEAD_ARCHITECTURES[family, model.head.kind]
         hf_sd = _hf.head_to_hf(arch, sd)
         config = _hf.gpt2_config_to_hf(model.config) if family == "gpt2" else _hf.bert_config_to_hf(model.config, False)
-        pad = getattr(tokenizer, "eot_id", None) if family == "gpt2" else None   # GPT-2 pads with <|endoftext|>
+        # GPT-2 pads with <|endoftext|>
+        pad = tokenizer.special_tokens.get(ENDOFTEXT) if family == "gpt2" and tokenizer is not None else None
         config.update(architectures=[arch], **_hf.head_config_to_hf(model.head, pad))
     elif family == "gpt2":
         hf_sd = _hf.gpt2_to_hf(sd)

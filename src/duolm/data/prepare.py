@@ -15,14 +15,10 @@ import regex
 
 from duolm.data.shards import FORMAT, VERSION, dtype_for_vocab, write_shard
 from duolm.fileio import atomic_write, write_json
+from duolm.tokenizers.files import ENDOFTEXT
 
 
 # --- prepare: text files -> shards --------------------------------------------------------------
-
-def tokenizer_kind(tokenizer) -> str:
-    """"wordpiece" for BERT tokenizers (they have [SEP]), "bpe" otherwise."""
-    return "wordpiece" if hasattr(tokenizer, "sep_id") else "bpe"
-
 
 def _wordpiece_chunks(text: str, chunk_chars: int) -> list[str]:
     """Whole documents (blank-line separated) grouped into chunks of at most about chunk_chars; a document
@@ -191,9 +187,9 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 1 or shard_size < 1 or chunk_chars < 1:
         raise ValueError(f"workers ({workers}), shard_size ({shard_size}) and chunk_chars ({chunk_chars}) must be >= 1")
-    kind = tokenizer_kind(tokenizer)
+    kind = tokenizer.kind
     vocab_size = int(tokenizer.vocab_size)
-    eot = getattr(tokenizer, "eot_id", None)
+    eot = tokenizer.special_tokens.get(ENDOFTEXT) if kind == "bpe" else None
     if kind == "bpe" and eot is None:
         raise ValueError("the BPE tokenizer has no <|endoftext|> token to separate documents; "
                          "train it with special_tokens=('<|endoftext|>',)")
@@ -238,8 +234,7 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
         results = pool.map(_worker_encode, range(len(texts)) if fork else texts)
     done = 0
     try:
-        if hasattr(tokenizer, "save"):  # here, while the workers encode (the main process is idle)
-            tokenizer.save(out_dir / "tokenizer")
+        tokenizer.save(out_dir / "tokenizer")   # here, while the workers encode (the main process is idle)
         for i, (ids, sent_lens, doc_sents) in enumerate(results):
             split = "val" if is_val[i] else "train"
             if kind == "bpe":
@@ -266,8 +261,8 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
     if kind == "bpe":
         meta["eot_id"] = int(eot)
     else:
-        for k in ("cls_id", "sep_id", "mask_id", "pad_id", "unk_id"):
-            meta[k] = int(getattr(tokenizer, k))
+        meta.update(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, mask_id=tokenizer.mask_id,
+                    pad_id=tokenizer.pad_id, unk_id=tokenizer.unk_id)
     write_json(out_dir / "meta.json", meta, indent=1)
     # shards of an earlier, bigger run in the same directory
     keep = {n for w in writers.values() for n in w.shards}

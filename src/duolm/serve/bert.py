@@ -93,9 +93,7 @@ def router(s: Served) -> APIRouter:
 def bert_inputs(value, tokenizer, limit: int | None) -> list:
     """Texts -> [CLS] pieces [SEP]; token-id lists (word pieces) get [CLS] and [SEP] around them.
     More than MAX_INPUTS inputs, or one longer than `limit` tokens (None: no limit), raise APIError(400)."""
-    def encode(text):
-        return tokenizer.encode(text).ids
-    ids = to_id_lists(value, "input", encode, tokenizer.vocab_size)
+    ids = to_id_lists(value, "input", tokenizer.encode, tokenizer.vocab_size)
     if len(ids) > MAX_INPUTS:
         raise APIError(400, f"input: {len(ids)} inputs, at most {MAX_INPUTS} per request", "input")
     raw = isinstance(value, list) and value and not isinstance(value[0], str)

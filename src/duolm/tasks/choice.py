@@ -118,9 +118,9 @@ def encode(choices, tokenizer, head: HeadConfig, options=None) -> ChoiceFeatures
     out = ChoiceFeatures([], [], [] if choices and all(c.label is not None for c in choices) else None,
                          tokenizer.pad_id)
     for i, c in enumerate(choices):
-        encs = [tokenizer.encode(c.context, ending) for ending in c.endings]
+        encs = [tokenizer.encode_with_offsets(c.context, e) for e in c.endings]
         if any(len(e.ids) > head.max_length for e in encs):
-            encs = [tokenizer.encode(c.context, ending, max_length=head.max_length) for ending in c.endings]
+            encs = [tokenizer.encode_with_offsets(c.context, e, max_length=head.max_length) for e in c.endings]
             out.cut.append(i)
         out.ids.append([e.ids for e in encs])
         out.segment_ids.append([e.segment_ids for e in encs])

@@ -289,9 +289,9 @@ def encode_examples(examples: Sequence[Example], tokenizer, max_length: int, lab
 def _encode_bert(examples, tok: WordPiece, max_length: int):
     ids, segs, cut = [], [], []
     for i, e in enumerate(examples):
-        enc = tok.encode(e.text_a, e.text_b)
+        enc = tok.encode_with_offsets(e.text_a, e.text_b)
         if len(enc.ids) > max_length:
-            enc = tok.encode(e.text_a, e.text_b, max_length=max_length)
+            enc = tok.encode_with_offsets(e.text_a, e.text_b, max_length=max_length)
             cut.append(i)
         ids.append(enc.ids)
         segs.append(enc.segment_ids)

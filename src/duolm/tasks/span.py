@@ -184,12 +184,12 @@ def span_features(questions: list[Question], tok: WordPiece, max_length: int = S
     out = SpanFeatures(pad_id=tok.pad_id)
     contexts: dict = {}
     for qi, q in enumerate(questions):
-        query = tok.encode(q.question).ids[1:-1]
+        query = tok.encode(q.question)[1:-1]
         if len(query) > max_query:
             query = query[:max_query]
             out.cut.append(qi)
         if q.context not in contexts:
-            enc = tok.encode(q.context)
+            enc = tok.encode_with_offsets(q.context)
             contexts[q.context] = (enc.ids[1:-1], enc.offsets[1:-1])
         ctx, offs = contexts[q.context]
         spans = windows(len(ctx), max_length - len(query) - 3, stride)

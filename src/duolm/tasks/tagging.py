@@ -140,7 +140,7 @@ def word_pieces(tok: WordPiece, words: list[str]) -> list[list[int]]:
     """The piece ids of each word (as tokenizing the words one by one; a word may give no piece, e.g. a
     control character)."""
     text = " ".join(words)
-    enc = tok.encode(text)
+    enc = tok.encode_with_offsets(text)
     bounds, pos = [], 0
     for w in words:
         bounds.append((pos, pos + len(w)))
@@ -269,7 +269,7 @@ def score(model, tok, sentences, features=None, batch_size: int = 64) -> dict:
 
 def _words(tok: WordPiece, text: str) -> list[tuple[int, int]]:
     """Character spans of the words of `text` as BERT splits them (whitespace and punctuation)."""
-    enc = tok.encode(text)
+    enc = tok.encode_with_offsets(text)
     spans = []
     for i, (a, b) in zip(enc.ids[1:-1], enc.offsets[1:-1]):
         if spans and tok.inv[i].startswith("##"):

@@ -2,10 +2,11 @@
 from pathlib import Path
 from typing import Callable
 
+from .base import Tokenizer
 from .bpe import ByteLevelBPE
 from .wordpiece import WordPiece
 
-__all__ = ["ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
+__all__ = ["Tokenizer", "ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
 
 
 def load_tokenizer(directory, required: bool = True):
@@ -55,5 +56,5 @@ def show_pieces(tok, text: str, allow_special: bool = False) -> tuple[list[int],
         ids = tok.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         raw = [tok.decode_bytes([i]) for i in ids]
         return ids, [b.decode() if b.decode(errors="replace") == b.decode(errors="ignore") else str(b) for b in raw]
-    ids = tok.encode(text, split_special_tokens=not allow_special).ids
-    return ids, [tok.inv[i] for i in ids]
+    ids = tok.encode(text, split_special_tokens=not allow_special)
+    return ids, tok.pieces(ids)

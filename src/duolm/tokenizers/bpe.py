@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import regex
 
@@ -215,6 +215,7 @@ class ByteLevelBPE:
     """GPT-2's byte-level BPE. Ids of ordinary tokens come from `encoder` (bytes -> id); merges are ranked
     by `ranks` (bytes -> distinct ranks, lower merges first; the same dict as `encoder` when ids follow
     merge order). Special tokens are only produced by `encode` when allowed."""
+    kind: ClassVar[str] = "bpe"
 
     def __init__(self, encoder: dict[bytes, int], special_tokens: dict[str, int],
                  ranks: dict[bytes, int] | None = None, merges: list[tuple[bytes, bytes]] | None = None):
@@ -369,6 +370,10 @@ class ByteLevelBPE:
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids`; bytes that are not valid UTF-8 (a token sequence cut mid-character) become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """Each id's token as vocab.json spells it (bytes as GPT-2's printable characters: " the" is "Ġthe")."""
+        return [token_str(self.decode_bytes([i])) for i in ids]
 
     # --- files (files.py reads and writes them) ---
 

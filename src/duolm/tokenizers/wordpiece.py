@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from itertools import accumulate, islice
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 from .basic import WHITESPACE, basic_tokenize
 from .files import read_lowercase, read_vocab_txt, write_wordpiece
@@ -73,7 +73,7 @@ class Encoding:
     Each list is built on its first read (later reads return that same list): until then an
     Encoding holds tuples, which Python's garbage collector stops scanning, so keeping millions
     of encodings does not make every collection walk all their lists (it tripled the time of
-    [tok.encode(line) for line in lines]).
+    [tok.encode_with_offsets(line) for line in lines]).
     """
     __slots__ = ("_ids", "_offsets", "_n", "_m", "_segment_ids", "_special_mask")
 
@@ -125,6 +125,7 @@ class WordPiece:
 
     The word pieces of a text: special tokens typed in it become their ids (unless split_special_tokens),
     the rest goes through basic_tokenize, then wordpiece word by word."""
+    kind: ClassVar[str] = "wordpiece"
 
     def __init__(self, vocab: dict[str, int], lowercase: bool = True):
         missing = [s for s in SPECIALS if s not in vocab]
@@ -134,7 +135,8 @@ class WordPiece:
         self.lowercase = bool(lowercase)
         self.inv = {i: t for t, i in self.vocab.items()}
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self.vocab[s] for s in SPECIALS)
-        self.special_ids = frozenset(self.vocab[s] for s in SPECIALS)
+        self.special_tokens = {s: self.vocab[s] for s in SPECIALS}
+        self.special_ids = frozenset(self.special_tokens.values())
         self._max_piece = max(len(t) for t in self.vocab)
         self._chars: dict[str, tuple[int, str]] = {}  # basic_tokenize's memo (bounded by the alphabet)
         self._cache: dict[str, tuple] = {}  # word -> pieces
@@ -151,15 +153,20 @@ class WordPiece:
             self._cache[s] = ((self.vocab[s], 0, len(s)),)
 
     # ---- encode / decode -------------------------------------------------------------------------------
-    def encode(self, text: str, pair: str | None = None, max_length: int | None = None,
-               truncation: str = "longest_first", split_special_tokens: bool = False) -> Encoding:
+    def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        """[CLS] text's pieces [SEP], as HF's tokenizer.encode(text); a special token typed in the text is that
+        token unless split_special_tokens (then it is text). encode_with_offsets gives pairs, offsets, cuts."""
+        return [self.cls_id, *self._pieces(text, split_special_tokens)[0], self.sep_id]
+
+    def encode_with_offsets(self, text: str, pair: str | None = None, max_length: int | None = None,
+                            truncation: str = "longest_first", split_special_tokens: bool = False) -> Encoding:
         """[CLS] text [SEP] (pair [SEP]) with segment ids, offsets and special mask, as HF's
         tokenizer(text, pair, max_length=..., truncation=..., split_special_tokens=...).
         A special token typed in the text is that token unless split_special_tokens (then it is text)."""
         if truncation not in ("longest_first", "only_first", "only_second"):
             raise ValueError(f"truncation must be 'longest_first', 'only_first' or 'only_second', not {truncation!r}")
         a_ids, a_off = self._pieces(text, split_special_tokens)
-        b_ids, b_off = self._pieces(pair, split_special_tokens) if pair is not None else ((), ())
+        b_ids, b_off = self._pieces(pair, split_special_tokens) if pair is not None else ([], [])
         if max_length is not None:
             n_a, n_b = _truncated_lengths(len(a_ids), len(b_ids), pair is not None, max_length, truncation)
             a_ids, a_off, b_ids, b_off = a_ids[:n_a], a_off[:n_a], b_ids[:n_b], b_off[:n_b]
@@ -172,15 +179,12 @@ class WordPiece:
         """Word pieces of text as strings (no [CLS]/[SEP])."""
         return [self.inv[i] for i in self._pieces(text, split_special_tokens)[0]]
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of ids as HF's WordPiece decoder: pieces joined by spaces, "##" pieces glued on,
-        " ." " ," " ?" " !" glued to the word before; specials left out unless skip_special=False."""
-        out = []
-        for i in ids:
-            t = self.inv.get(int(i))
-            if t is None:
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{len(self.inv) - 1})")
-            if skip_special and int(i) in self.special_ids:
+        " ." " ," " ?" " !" glued to the word before; specials left out when skip_special."""
+        out: list[str] = []
+        for t in self.pieces(ids):
+            if skip_special and t in self.special_tokens:
                 continue
             if out:
                 t = t[2:] if t.startswith("##") else " " + t
@@ -188,6 +192,16 @@ class WordPiece:
                     t = t.replace(dirty, clean)
             out.append(t)
         return "".join(out)
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """Each id's token as vocab.txt spells it ("##s" for a continuation)."""
+        out = []
+        for i in ids:
+            t = self.inv.get(int(i))
+            if t is None:
+                raise ValueError(f"token id {i} is outside the vocabulary (0..{len(self.inv) - 1})")
+            out.append(t)
+        return out
 
     @staticmethod
     def safe_chunks(text: str, chunk_chars: int) -> list[str]:
