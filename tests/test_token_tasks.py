@@ -235,7 +235,7 @@ def conll_dir(data_dir, tmp_path_factory):
     return d
 
 
-def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread):
+def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread, capsys):
     cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
     res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, Files(data=conll_dir))
     assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
@@ -245,9 +245,17 @@ def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_t
     dev = read_conll(conll_dir / "eng.testa")
     got = tagging.score(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
     assert got["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
-    (ents,) = predict(model, tok, ["Angela Merkel visited Paris on Monday."])
     text = "Angela Merkel visited Paris on Monday."
+    (got,) = predict(model, tok, [text])
+    ents = got["entities"]
     assert all(text[e["start"]:e["end"]] == e["text"] and e["type"] in ("PER", "LOC", "ORG", "MISC") for e in ents)
+    from duolm.cli import main
+    main(["predict", str(tmp_path / "ner"), text])                  # the text, then each entity
+    assert capsys.readouterr().out == text + "\t" + "  ".join(
+        f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in ents) + "\n"
+    with pytest.raises(SystemExit):
+        main(["predict", str(tmp_path / "ner"), text, text, "--pairs"])
+    assert "a tagger takes texts, not pairs" in capsys.readouterr().err
 
 
 def test_predicted_entities_are_conlleval_chunks_of_words(minilm):
@@ -357,7 +365,7 @@ def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_di
     ours = predict(model, tok, texts)
     ref = pipe(texts, batch_size=16)
     n = 0
-    for text, a, b in zip(texts, ours, ref):
+    for text, a, b in zip(texts, (p["entities"] for p in ours), ref):
         assert [(e["type"], e["start"], e["end"]) for e in a] == [(e["entity_group"], e["start"], e["end"]) for e in b], text
         assert [e["score"] for e in a] == pytest.approx([float(e["score"]) for e in b], abs=1e-5)
         n += len(a)
