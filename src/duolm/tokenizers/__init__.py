@@ -9,7 +9,7 @@ from .wordpiece import WordPiece
 __all__ = ["Tokenizer", "ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
 
 
-def load_tokenizer(directory, required: bool = True):
+def load_tokenizer(directory, required: bool = True) -> Tokenizer | None:
     """The tokenizer saved in `directory`: vocab.json + merges.txt (or OpenAI's encoder.json +
     vocab.bpe, the same format) -> ByteLevelBPE, vocab.txt -> WordPiece. When the directory holds
     neither: an error, or None if not `required`."""
@@ -29,7 +29,7 @@ def load_tokenizer(directory, required: bool = True):
 
 
 def train_tokenizer(kind: str, files, vocab_size: int, min_frequency: int = 2, lowercase: bool = True,
-                    progress: Callable[[int, int], None] | None = None):
+                    progress: Callable[[int, int], None] | None = None) -> Tokenizer:
     """Train a "bpe" (byte-level BPE) or "wordpiece" tokenizer on text files, streamed line by line.
     progress(done, total) reports the tokens learned (merges), as ByteLevelBPE.train / WordPiece.train say;
     the library prints nothing (the CLI draws the bar)."""

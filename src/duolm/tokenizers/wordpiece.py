@@ -76,6 +76,10 @@ class Encoding:
     [tok.encode_with_offsets(line) for line in lines]).
     """
     __slots__ = ("_ids", "_offsets", "_n", "_m", "_segment_ids", "_special_mask")
+    _ids: tuple[int, ...] | list[int]                             # a tuple until the first read
+    _offsets: tuple[tuple[int, int], ...] | list[tuple[int, int]]
+    _segment_ids: list[int] | None
+    _special_mask: list[int] | None
 
     def __init__(self, ids: tuple, offsets: tuple, n_first: int):  # n_first: tokens of segment 0
         self._ids, self._offsets, self._n, self._m = ids, offsets, n_first, len(ids) - n_first
@@ -83,13 +87,13 @@ class Encoding:
 
     @property
     def ids(self) -> list[int]:
-        if type(self._ids) is tuple:
+        if isinstance(self._ids, tuple):
             self._ids = list(self._ids)
         return self._ids
 
     @property
     def offsets(self) -> list[tuple[int, int]]:
-        if type(self._offsets) is tuple:
+        if isinstance(self._offsets, tuple):
             self._offsets = list(self._offsets)
         return self._offsets
 
@@ -111,7 +115,7 @@ class Encoding:
             return NotImplemented
         return all(getattr(self, k) == getattr(other, k) for k in _ENCODING_FIELDS)
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]   # mutable lists: unhashable, as a list
 
     def __repr__(self):
         return "Encoding(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in _ENCODING_FIELDS) + ")"
@@ -226,18 +230,18 @@ class WordPiece:
         if text.isascii() and ("[" not in text or split_special_tokens) and not _ASCII_CONTROL.search(text):
             # split into [sep, word, sep, word, ..., sep]; a word starts where the text before it ends
             parts = _ASCII_SPLIT.split(text)
-            words = parts[1::2]
-            found = list(map(cache.get, words))
+            words: list = parts[1::2]
+            found: list = list(map(cache.get, words))
             if None in found:
                 lower = self.lowercase
                 found = [p if p is not None else self._lookup(w, w.lower() if lower else w)
                          for w, p in zip(words, found)]
-            ids = [i for p in found for i, _, _ in p]
+            ids: list[int] = [i for p in found for i, _, _ in p]
             starts = islice(accumulate(map(len, parts)), 0, None, 2)
-            offsets = [(s + a, s + b) for s, p in zip(starts, found) for _, a, b in p]
+            offsets: list[tuple[int, int]] = [(s + a, s + b) for s, p in zip(starts, found) for _, a, b in p]
             return ids, offsets
-        words: list = []
-        parts = _SPECIAL_SPLIT.split(text) if "[" in text and not split_special_tokens else (text,)
+        words = []
+        parts = _SPECIAL_SPLIT.split(text) if "[" in text and not split_special_tokens else [text]
         pos = 0
         for k, part in enumerate(parts):
             if k % 2:  # a special token typed in the text
@@ -245,8 +249,8 @@ class WordPiece:
             elif part:
                 self._words(part, pos, words)
             pos += len(part)
-        ids: list[int] = []
-        offsets: list[tuple[int, int]] = []
+        ids = []
+        offsets = []
         lower = self.lowercase
         for w, start, align in words:
             pieces = cache.get(w)
