@@ -222,7 +222,7 @@ def bench_squad(args, mdir, tmp: Path):
     pairs = pairs[:args.questions]
     groups: dict = {}                      # the pipeline's doc_stride (window overlap) depends on the question
     for q, c in pairs:
-        g = groups.setdefault(384 - 3 - (len(tok.encode(q).ids) - 2) - 128, ([], []))
+        g = groups.setdefault(384 - 3 - (len(tok.encode(q)) - 2) - 128, ([], []))
         g[0].append(q)
         g[1].append(c)
     job = {"model": str(save(model, tmp / "qa-hf", tokenizer=tok, format="hf")), "groups": [

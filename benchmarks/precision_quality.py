@@ -7,7 +7,7 @@
 (b) Language model: a small GPT-2 pretrained here by duolm.train.pretrain (what `duolm pretrain` runs) on
     WikiText-2 *valid* (this machine has no WikiText-2 train) tokenized by a byte-level BPE trained by
     ByteLevelBPE.train on that text and prepared by duolm.data.prepare; a few minutes. Then, on WikiText-2
-    *test*: perplexity over windows of the model's block size in plain fp32 and inside Inference("fp32" /
+    *test*: perplexity over windows of the model's block size in plain fp32 and on quantize(model, "fp32" /
     "int8" / "bf16") (target: int8 within 1% of fp32) and the share of test positions whose most likely next
     token is fp32's; greedy agreement: 64 new tokens after 32-token prompts from --prompts test paragraphs
     (64, one batch), the share of positions equal to fp32's (target >= 90%; after a first different token the
@@ -80,7 +80,7 @@ def embeddings():
     pairs = rows[::len(rows) // 50][:50]
     texts = [e.text_a for e in pairs] + [e.text_b for e in pairs]
     gold = [float(e.label) for e in pairs]
-    ids = [tok.encode(t, max_length=pooling.max_length or model.config.block_size).ids for t in texts]
+    ids = [tok.encode_with_offsets(t, max_length=pooling.max_length or model.config.block_size).ids for t in texts]
     print(f"\n(a) all-MiniLM-L6-v2, {pooling.mode} pooling, normalised: {len(texts)} STS-B train sentences "
           f"({len(pairs)} pairs spread over {len(rows)} rows), against plain fp32", flush=True)
     vecs = {}

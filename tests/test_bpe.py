@@ -508,3 +508,14 @@ def test_failed_save_leaves_the_old_files(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert ByteLevelBPE.load(tmp_path)._merges == old._merges
+
+
+def test_tokenizer_protocol(gpt2_files, ref_hf):
+    """pieces spell each id as vocab.json does (HF's convert_ids_to_tokens), special tokens included."""
+    from duolm.tokenizers import Tokenizer
+
+    tok: Tokenizer = gpt2_files
+    ids = tok.encode("Hello world, naïve 日本") + [50256]
+    assert tok.pieces(ids) == [ref_hf.id_to_token(i) for i in ids]
+    assert tok.pieces(ids)[-1] == "<|endoftext|>" and tok.decode(ids).endswith("<|endoftext|>")
+    assert (tok.kind, tok.vocab_size, tok.special_tokens) == ("bpe", 50257, {"<|endoftext|>": 50256})

@@ -32,12 +32,15 @@ from duolm.data.shards import HEADER
 
 class ByteTok:
     """A byte-level 'BPE' with no merges: ids are the UTF-8 bytes, 256 is <|endoftext|>."""
+    kind = "bpe"
     vocab_size = 257
-    eot_id = 256
     special_tokens = {"<|endoftext|>": 256}
 
     def encode_ordinary(self, text):
         return list(text.encode("utf-8"))
+
+    def save(self, directory):          # a fake has no files to write
+        pass
 
     @staticmethod
     def safe_chunks(text, chunk_chars):
@@ -47,11 +50,15 @@ class ByteTok:
 
 class WordTok:
     """A whitespace 'WordPiece': a word in the vocab is one id, any other word is [UNK]."""
+    kind = "wordpiece"
 
     def __init__(self, words):
         self.vocab = {t: i for i, t in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + sorted(set(words)))}
         self.vocab_size = len(self.vocab)
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = range(5)
+
+    def save(self, directory):          # a fake has no files to write
+        pass
 
     def tokenize(self, text):
         return [w if w in self.vocab else "[UNK]" for w in text.lower().split()]

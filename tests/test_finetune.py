@@ -138,7 +138,7 @@ def test_gpt_head_with_lm_loss_trains_as_transformers(tiny_gpt2_dir, data_dir, o
 
 from duolm.tasks.base import eval_batches, holdout  # noqa: E402
 from duolm.tasks.glue import GLUE  # noqa: E402
-from duolm.tasks.sentence import (Example, Features, label_space, load_user, read_examples, truncate_pair,  # noqa: E402
+from duolm.tasks.sentence import (Example, SentenceFeatures, label_space, load_user, read_examples, truncate_pair,  # noqa: E402
                                   write_submission)
 
 
@@ -297,7 +297,7 @@ def _toy_features(n=103, seed=0):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(3, 60, (n,), generator=g).tolist()
     ids = [[101] + [1000 + i] * (L - 2) + [102] for i, L in enumerate(lengths)]
-    return Features("bert", ids, [[0] * len(x) for x in ids], [i % 2 for i in range(n)], pad_id=0)
+    return SentenceFeatures(ids, [[0] * len(x) for x in ids], [i % 2 for i in range(n)], pad_id=0)
 
 
 def test_batches_are_a_pure_function_of_seed_and_step():

@@ -456,8 +456,7 @@ def test_cli_fill_mask(tmp_path, capsys):
     tok.save(tmp_path)
     text = "The capital of [MASK] is [MASK]."
     out = _run_cli(capsys, "fill-mask", tmp_path, text, "--top-k", 3).out.splitlines()
-    enc = tok.encode(text)
-    expect = fill_mask(ours, enc.ids, tok.mask_id, top_k=3)
+    expect = fill_mask(ours, tok.encode(text), tok.mask_id, top_k=3)
     piece = {i: s for s, i in tok.vocab.items()}
     assert out[0] == "[MASK] 1:" and out[4] == "[MASK] 2:" and len(out) == 9
     for lines, fillers in ((out[1:4], expect[0]), (out[5:8], expect[1])):

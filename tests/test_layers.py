@@ -112,6 +112,49 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     assert _cycles() == [["duolm.cli", "duolm.demo", "duolm.cli"]]
 
 
+# "Small and elegant": no function over 80 lines, no module over 500.
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 500
+
+
+def _oversized() -> list[str]:
+    """"path: N lines" for each module, and "path::qualified.name: N lines" for each function (methods and
+    nested functions included, decorators not), over its limit."""
+    out = []
+    for path in sorted((SRC / "duolm").rglob("*.py")):
+        rel = path.relative_to(SRC).as_posix()
+        text = path.read_text(encoding="utf-8")
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            out.append(f"{rel}: {len(text.splitlines())} lines")
+        stack: list[tuple[str, ast.AST]] = [("", ast.parse(text))]
+        while stack:
+            prefix, node = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                name = prefix
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = prefix + child.name
+                    n = child.end_lineno - child.lineno + 1
+                    if not isinstance(child, ast.ClassDef) and n > MAX_FUNCTION_LINES:
+                        out.append(f"{rel}::{name}: {n} lines")
+                    name += "."
+                stack.append((name, child))
+    return sorted(out)
+
+
+def test_functions_and_modules_are_small():
+    assert _oversized() == []
+
+
+def test_the_size_checker_sees_a_long_method_and_a_long_module(tmp_path, monkeypatch):
+    pkg = tmp_path / "duolm"
+    pkg.mkdir()
+    long = "".join(f"        x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))        # A.f: 81 lines with its def
+    at_limit = "".join(f"    y{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))    # g: 80 lines
+    (pkg / "a.py").write_text("class A:\n    def f(self):\n" + long + "\n\ndef g():\n" + at_limit)
+    (pkg / "b.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    assert _oversized() == ["duolm/a.py::A.f: 81 lines", "duolm/b.py: 501 lines"]
+
+
 def _loaded_after(code: str) -> set[str]:
     out = subprocess.run([sys.executable, "-c", code + "\nprint('\\n'.join(sys.modules))"], capture_output=True,
                          text=True, check=True).stdout.split()

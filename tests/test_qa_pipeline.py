@@ -87,7 +87,7 @@ def qa_pairs(squad, tok) -> list[tuple[str, str]]:
     by_context: dict = {}
     for q in squad:
         by_context.setdefault(q.context, []).append(q)
-    pieces = {c: len(tok.encode(c).ids) - 2 for c in by_context}
+    pieces = {c: len(tok.encode(c)) - 2 for c in by_context}
     paras = [qs[0] for qs in by_context.values()]
     pairs = [(q.question, c) for c, qs in by_context.items() if pieces[c] <= 80 for q in qs[:2]][:186]
     pairs += [(q.question, q.context) for q in paras if pieces[q.context] > MAX_LENGTH - 24][::3]
@@ -166,7 +166,7 @@ def test_answers_equal_the_question_answering_pipeline(minilm, squad, tmp_path, 
         model.fc.weight.mul_(10)
     pairs = qa_pairs(squad, tok)
     feats = span_features([Question(str(i), q, c) for i, (q, c) in enumerate(pairs)], tok, MAX_LENGTH, stride=STRIDE)
-    room = [MAX_LENGTH - 3 - (len(tok.encode(q).ids) - 2) for q, _ in pairs]
+    room = [MAX_LENGTH - 3 - (len(tok.encode(q)) - 2) for q, _ in pairs]
     job = {"model": str(save(model, tmp_path / "hf", tokenizer=tok, format="hf")), "params": PARAMS,
            "pairs": [(q, c, r - STRIDE) for (q, c), r in zip(pairs, room)]}
     (tmp_path / "job.json").write_text(json.dumps(job), encoding="utf-8")

@@ -1091,7 +1091,7 @@ def test_embeddings_equal_each_input_alone(bert_client, bert):
     r = bert_client.post("/v1/embeddings", json={"input": texts, "model": "tiny-bert"})
     out = r.json()
     assert [d["index"] for d in out["data"]] == [0, 1, 2, 3]
-    ids = [tok.encode(t).ids for t in texts]
+    ids = [tok.encode(t) for t in texts]
     for d, x in zip(out["data"], ids):           # padded batch == each alone, [CLS] pooling
         assert torch.tensor(d["embedding"]) == pytest.approx(_cls_alone(model, x), abs=1e-6)
     assert out["usage"] == {"prompt_tokens": sum(map(len, ids)), "total_tokens": sum(map(len, ids))}
@@ -1134,7 +1134,7 @@ def test_embedding_limits(bert_client, bert):
     long, short = "word " * 70, "a few words"
     for n, keep in ((-1, 64), (64, 64), (10, 10), (2, 2)):
         r = bert_client.post("/v1/embeddings", json={"input": [long, short], "truncate_prompt_tokens": n}).json()
-        cut = tok.encode(long, max_length=keep).ids
+        cut = tok.encode_with_offsets(long, max_length=keep).ids
         assert len(cut) == keep and cut[-1] == tok.sep_id
         assert torch.tensor(r["data"][0]["embedding"]) == pytest.approx(_cls_alone(model, cut), abs=1e-6)
         assert r["data"][0]["truncated"] is True and ("truncated" in r["data"][1]) == (keep < 5)

@@ -159,7 +159,7 @@ def test_duolm_load_reads_release_folders_with_their_tokenizers():
     assert isinstance(model, BertForPreTraining)
     ref = BertTokenizer(str(FIX / "bert" / "vocab.txt"), do_lower_case=True)
     text = "The dog played in the sunny park. The cat sat under a tree!"
-    assert tok.encode(text).ids == ref.encode(text)
+    assert tok.encode(text) == ref.encode(text)
     exp, inputs = _bert_inputs()
     with torch.no_grad():
         _, nsp = model(*inputs)

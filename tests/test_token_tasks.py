@@ -152,7 +152,7 @@ def test_first_piece_labels_as_transformers_word_ids(minilm, conll):
         want = [IGNORE if w is None or (i and words[i - 1] == w) else labels.index(s.tags[w])
                 for i, w in enumerate(words)]
         assert lab == want and [lab[p] for p in first] == [labels.index(t) for t in s.tags]
-    assert word_pieces(tok, ["U.S.", "Hi\u200b", "\u200b"]) == [tok.encode("U.S.").ids[1:-1], tok.encode("Hi").ids[1:-1], []]
+    assert word_pieces(tok, ["U.S.", "Hi\u200b", "\u200b"]) == [tok.encode("U.S.")[1:-1], tok.encode("Hi")[1:-1], []]
 
 
 def test_long_sentences_are_cut_and_counted(minilm):
@@ -169,12 +169,13 @@ def test_document_context_surrounds_the_sentence(minilm):
     labels = ["O"]
     plain = tag_features(doc, tok, labels, max_length=16)
     wide = tag_features(doc, tok, labels, max_length=16, context="document")
-    assert tok.decode(wide.ids[1]) == "one two three four five six seven eight nine"   # 14 pieces fit whole
+    text = lambda ids: tok.decode(ids, skip_special=True)                         # noqa: E731
+    assert text(wide.ids[1]) == "one two three four five six seven eight nine"   # 14 pieces fit whole
     assert [wide.ids[1][p] for p in wide.first[1]] == [plain.ids[1][p] for p in plain.first[1]]
     assert sum(x != IGNORE for x in wide.labels[1]) == 2                          # only its own words count
-    assert tok.decode(wide.ids[3]) == "ten"                                       # another document
+    assert text(wide.ids[3]) == "ten"                                       # another document
     narrow = tag_features(doc, tok, labels, max_length=8, context="document")     # room for 4 more: 2 + 2
-    assert tok.decode(narrow.ids[1]) == "two three four five six seven"
+    assert text(narrow.ids[1]) == "two three four five six seven"
 
 
 def test_windows_and_max_context_worked_examples():
@@ -233,7 +234,7 @@ def conll_dir(data_dir, tmp_path_factory):
     return d
 
 
-def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread):
+def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread, capsys):
     cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
     res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, Files(data=conll_dir))
     assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
@@ -243,9 +244,17 @@ def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_t
     dev = read_conll(conll_dir / "eng.testa")
     got = tagging.score(model, tok, dev, tag_features(dev, tok, model.head.labels, 48, "document"))
     assert got["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
-    (ents,) = predict(model, tok, ["Angela Merkel visited Paris on Monday."])
     text = "Angela Merkel visited Paris on Monday."
+    (got,) = predict(model, tok, [text])
+    ents = got["entities"]
     assert all(text[e["start"]:e["end"]] == e["text"] and e["type"] in ("PER", "LOC", "ORG", "MISC") for e in ents)
+    from duolm.cli import main
+    main(["predict", str(tmp_path / "ner"), text])                  # the text, then each entity
+    assert capsys.readouterr().out == text + "\t" + "  ".join(
+        f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in ents) + "\n"
+    with pytest.raises(SystemExit):
+        main(["predict", str(tmp_path / "ner"), text, text, "--pairs"])
+    assert "a tagger takes texts, not pairs" in capsys.readouterr().err
 
 
 def test_predicted_entities_are_conlleval_chunks_of_words(minilm):
@@ -354,7 +363,7 @@ def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_di
     ours = predict(model, tok, texts)
     ref = pipe(texts, batch_size=16)
     n = 0
-    for text, a, b in zip(texts, ours, ref):
+    for text, a, b in zip(texts, (p["entities"] for p in ours), ref):
         assert [(e["type"], e["start"], e["end"]) for e in a] == [(e["entity_group"], e["start"], e["end"]) for e in b], text
         assert [e["score"] for e in a] == pytest.approx([float(e["score"]) for e in b], abs=1e-5)
         n += len(a)

@@ -28,7 +28,7 @@ def toks(data_dir):
 
 def assert_same(ours, hf, text, pair=None, **kw):
     e = hf(text, pair, return_offsets_mapping=True, return_special_tokens_mask=True, **kw)
-    o = ours.encode(text, pair, **kw)
+    o = ours.encode_with_offsets(text, pair, **kw)
     assert o.ids == e["input_ids"], (text[:200], pair)
     assert o.offsets == [tuple(x) for x in e["offset_mapping"]], (text[:200], pair)
     assert o.segment_ids == e["token_type_ids"]
@@ -59,11 +59,11 @@ def test_data_files_match_hf(toks, data_dir, name):
         for chunk in _slices(path.read_text(encoding="utf-8")):
             # whole chunk at once, then line by line (batched through the Rust backend for speed)
             e = hf.backend_tokenizer.encode(chunk)
-            o = ours.encode(chunk)
+            o = ours.encode_with_offsets(chunk)
             assert (o.ids, o.offsets) == (e.ids, e.offsets), path
             lines = chunk.splitlines()
             for line, e in zip(lines, hf.backend_tokenizer.encode_batch(lines)):
-                o = ours.encode(line)
+                o = ours.encode_with_offsets(line)
                 assert (o.ids, o.offsets) == (e.ids, e.offsets), (path, line)
 
 
@@ -78,7 +78,7 @@ def test_every_code_point_matches_hf(toks, name):
     for i in range(0, len(cps), 20_000):
         text = " ".join(f"x{chr(c)}y" for c in cps[i:i + 20_000])
         e = hf.backend_tokenizer.encode(text)
-        o = ours.encode(text)
+        o = ours.encode_with_offsets(text)
         assert o.ids == e.ids and o.offsets == e.offsets, hex(cps[i])
 
 
@@ -99,7 +99,7 @@ def test_random_unicode_matches_hf(toks, text, pair):
     # [CLS] A [SEP] [SEP] for it, so the empty pair is compared against the backend below
     if pair == "":
         for ours, hf in toks.values():
-            e, o = hf.backend_tokenizer.encode(text, ""), ours.encode(text, "")
+            e, o = hf.backend_tokenizer.encode(text, ""), ours.encode_with_offsets(text, "")
             assert (o.ids, o.offsets, o.segment_ids) == (e.ids, e.offsets, e.type_ids)
         return
     for ours, hf in toks.values():
@@ -217,8 +217,8 @@ def test_known_offset_difference_canonical_reordering(toks):
     Ids agree; we report the character the mark came from."""
     ours, hf = toks["uncased"]
     text = "\u302f\u309a"
-    assert ours.encode(text).ids == hf(text)["input_ids"]
-    assert ours.encode(text).offsets[1] == (0, 1) and hf(text, return_offsets_mapping=True)["offset_mapping"][1] == (1, 2)
+    assert ours.encode(text) == hf(text)["input_ids"]
+    assert ours.encode_with_offsets(text).offsets[1] == (0, 1) and hf(text, return_offsets_mapping=True)["offset_mapping"][1] == (1, 2)
 
 
 # ---- pairs, truncation, specials --------------------------------------------------------------------
@@ -236,7 +236,7 @@ def test_pair_truncation_matches_hf(toks, strategy, max_length):
                 hf(a, b, max_length=max_length, truncation=strategy)
             except Exception:  # HF refuses (sequence too short): so do we, with a ValueError
                 with pytest.raises(ValueError):
-                    ours.encode(a, b, max_length=max_length, truncation=strategy)
+                    ours.encode_with_offsets(a, b, max_length=max_length, truncation=strategy)
                 continue
             assert_same(ours, hf, a, b, max_length=max_length, truncation=strategy)
         if strategy != "only_second":
@@ -245,7 +245,7 @@ def test_pair_truncation_matches_hf(toks, strategy, max_length):
 
 def test_encoding_layout_and_specials(toks):
     ours, hf = toks["uncased"]
-    e = ours.encode("hello [MASK] world", "a [SEP]b")
+    e = ours.encode_with_offsets("hello [MASK] world", "a [SEP]b")
     pieces = [ours.inv[i] for i in e.ids]
     assert pieces == ["[CLS]", "hello", "[MASK]", "world", "[SEP]", "a", "[SEP]", "b", "[SEP]"]
     assert e.segment_ids == [0] * 5 + [1] * 4
@@ -255,11 +255,11 @@ def test_encoding_layout_and_specials(toks):
     for text in ("a[MASK]b", "[[CLS]]", "[PAD][UNK] [SEP]", "é[MASK]é", "[MASK]\x00x", "[mask] [Mask]"):
         assert_same(ours, hf, text)
     with pytest.raises(ValueError, match="truncation"):
-        ours.encode("a", truncation="bogus")
+        ours.encode_with_offsets("a", truncation="bogus")
     with pytest.raises(ValueError, match="max_length 1"):
-        ours.encode("a", max_length=1)
+        ours.encode_with_offsets("a", max_length=1)
     with pytest.raises(ValueError, match="pair"):
-        ours.encode("a b c", max_length=4, truncation="only_second")
+        ours.encode_with_offsets("a b c", max_length=4, truncation="only_second")
 
 
 def test_typed_special_tokens(toks):
@@ -267,14 +267,14 @@ def test_typed_special_tokens(toks):
     split_special_tokens=True every typed character is text, as HF's flag of the same name."""
     for ours, hf in toks.values():
         for text in ("Paris is the [MASK] of France.", "a [SEP] b [CLS][PAD]", "x[UNK]y é[MASK]", "[MASK]"):
-            assert ours.encode(text).ids == hf(text)["input_ids"]
-            e, h = ours.encode(text, split_special_tokens=True), hf(text, split_special_tokens=True,
+            assert ours.encode(text) == hf(text)["input_ids"]
+            e, h = ours.encode_with_offsets(text, split_special_tokens=True), hf(text, split_special_tokens=True,
                                                                      return_offsets_mapping=True)
             assert e.ids == h["input_ids"] and e.offsets == [tuple(x) for x in h["offset_mapping"]], text
-            assert set(ours.encode(text).ids[1:-1]) & ours.special_ids and not set(e.ids[1:-1]) & ours.special_ids
+            assert set(ours.encode(text)[1:-1]) & ours.special_ids and not set(e.ids[1:-1]) & ours.special_ids
             assert ours.tokenize(text, split_special_tokens=True) == [ours.inv[i] for i in e.ids[1:-1]]
     ours, _ = toks["uncased"]
-    pair = ours.encode("a [MASK]", "b [SEP]", split_special_tokens=True)
+    pair = ours.encode_with_offsets("a [MASK]", "b [SEP]", split_special_tokens=True)
     assert ours.mask_id not in pair.ids and pair.ids.count(ours.sep_id) == 2
     from duolm.tokenizers import show_pieces  # `duolm tokenizer encode`: text unless --allow-special
     assert show_pieces(ours, "a [MASK]")[1] == ["[CLS]", "a", "[", "mask", "]", "[SEP]"]
@@ -286,7 +286,7 @@ def test_encoding_lists_built_once_and_gc_cheap(toks):
     holds only tuples the garbage collector untracks, so keeping many of them stays cheap."""
     import gc
     ours, _ = toks["uncased"]
-    e = ours.encode("héllo wörld, [MASK]!")
+    e = ours.encode_with_offsets("héllo wörld, [MASK]!")
     gc.collect()
     gc.collect()  # the first pass untracks the inner (start, end) tuples, the second the outer one
     assert gc.is_tracked(e) and not gc.is_tracked(e._ids) and not gc.is_tracked(e._offsets)
@@ -294,8 +294,8 @@ def test_encoding_lists_built_once_and_gc_cheap(toks):
     e.ids.append(7)
     assert e.ids[-1] == 7 and e.segment_ids == [0] * 7  # segment/special lists keep the encoded length
     assert e.special_mask == [1, 0, 0, 0, 0, 0, 1]
-    a, b = ours.encode("x y", "z"), ours.encode("x y", "z")
-    assert a == b and a != ours.encode("x y") and a.ids == [101, 1060, 1061, 102, 1062, 102]
+    a, b = ours.encode_with_offsets("x y", "z"), ours.encode_with_offsets("x y", "z")
+    assert a == b and a != ours.encode_with_offsets("x y") and a.ids == [101, 1060, 1061, 102, 1062, 102]
     assert repr(a) == ("Encoding(ids=[101, 1060, 1061, 102, 1062, 102], segment_ids=[0, 0, 0, 0, 1, 1], "
                        "offsets=[(0, 0), (0, 1), (2, 3), (0, 0), (0, 1), (0, 0)], special_mask=[1, 0, 0, 1, 0, 1])")
 
@@ -316,10 +316,27 @@ def test_decode_matches_hf(toks):
     for ours, hf in toks.values():
         for text in ("Hello , world . isn't it? unaffable [MASK] naïve 中文", "a.b,c!d?e 's do not", ""):
             ids = hf(text)["input_ids"]
-            assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
-            assert ours.decode(ids, skip_special=False) == hf.decode(ids)
+            assert ours.decode(ids) == hf.decode(ids)      # special tokens included, as HF's default
+            assert ours.decode(ids, skip_special=True) == hf.decode(ids, skip_special_tokens=True)
     with pytest.raises(ValueError, match="outside"):
         ours.decode([10**9])
+
+
+def test_tokenizer_protocol(toks):
+    """encode gives the ids of encode_with_offsets ([CLS] pieces [SEP]); pieces spell them as vocab.txt does."""
+    from duolm.tokenizers import Tokenizer
+
+    for ours, hf in toks.values():
+        tok: Tokenizer = ours
+        for text in ("Hello, unaffable world [MASK]!", "naïve 中文", ""):
+            ids = tok.encode(text)
+            assert ids == ours.encode_with_offsets(text).ids == hf(text)["input_ids"]
+            assert tok.pieces(ids) == hf.convert_ids_to_tokens(ids)
+        assert tok.special_tokens == {s: hf.convert_tokens_to_ids(s) for s in ("[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                                                 "[MASK]")}
+        assert (tok.kind, tok.vocab_size) == ("wordpiece", hf.vocab_size)
+    with pytest.raises(ValueError, match="outside"):
+        ours.pieces([10**9])
 
 
 # ---- the algorithm itself ----------------------------------------------------------------------------
@@ -350,13 +367,13 @@ def _names(vocab, pieces):
 
 def test_bad_input(toks):
     ours, hf = toks["uncased"]
-    assert ours.encode("").ids == [ours.cls_id, ours.sep_id]
+    assert ours.encode("") == [ours.cls_id, ours.sep_id]
     assert ours.tokenize("") == [] and ours.tokenize(" \t\n\x00\x7f\ufffd") == []
     for text in ("a\x00b", "\x00", "a\x01\x1fb\x7fc", "x\u200by", "a\ufffdb", " \t\r\n x \u3000 "):
         assert_same(ours, hf, text)
     # lone surrogates (HF's fast tokenizer raises TypeError): dropped like other category-C characters
-    assert ours.encode("a\ud800b \udfff").ids == hf("ab ")["input_ids"]
-    assert ours.encode("a\ud800b").offsets[1] == (0, 3)
+    assert ours.encode("a\ud800b \udfff") == hf("ab ")["input_ids"]
+    assert ours.encode_with_offsets("a\ud800b").offsets[1] == (0, 3)
     # words longer than 100 characters are one [UNK]; 100 characters are still split
     assert ours.tokenize("a" * 101) == ["[UNK]"] and ours.tokenize("a" * 100) != ["[UNK]"]
     for text in ("a" * 100, "a" * 101, "é" * 101, "x " + "ab" * 60 + ".z"):
@@ -365,13 +382,13 @@ def test_bad_input(toks):
 
 def test_million_character_inputs(toks):
     ours, hf = toks["uncased"]
-    e = ours.encode("a" * 1_000_000)
+    e = ours.encode_with_offsets("a" * 1_000_000)
     assert e.ids == [ours.cls_id, ours.unk_id, ours.sep_id] and e.offsets[1] == (0, 1_000_000)
     rng = random.Random(0)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyzé中,.") for _ in range(rng.randint(1, 12)))
              for _ in range(100_000)]
     text = " ".join(words)[:1_000_000]
-    e = ours.encode(text)
+    e = ours.encode_with_offsets(text)
     h = hf.backend_tokenizer.encode(text)
     assert e.ids == h.ids and e.offsets == h.offsets
 
@@ -465,7 +482,7 @@ def test_safe_chunks_encode_like_the_whole(toks, text, chunk_chars):
     ours, _ = toks["uncased"]
     chunks = ours.safe_chunks(text, chunk_chars)
     assert "".join(chunks) == text and all(chunks) and all(len(c) >= chunk_chars for c in chunks[:-1])
-    assert [i for c in chunks for i in ours.encode(c).ids[1:-1]] == ours.encode(text).ids[1:-1]
+    assert [i for c in chunks for i in ours.encode(c)[1:-1]] == ours.encode(text)[1:-1]
 
 
 def test_safe_chunks_on_real_data(toks, data_dir):

@@ -40,6 +40,7 @@ from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
 from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, head_model
 from duolm.precision import SWAPPED
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
+from duolm.tokenizers.files import ENDOFTEXT
 
 FORMAT = "duolm"
 FORMAT_VERSION = 1
@@ -375,7 +376,8 @@ def save(model, path, tokenizer=None, format="duolm"):
         arch = _hf.HEAD_ARCHITECTURES[family, model.head.kind]
         hf_sd = _hf.head_to_hf(arch, sd)
         config = _hf.gpt2_config_to_hf(model.config) if family == "gpt2" else _hf.bert_config_to_hf(model.config, False)
-        pad = getattr(tokenizer, "eot_id", None) if family == "gpt2" else None   # GPT-2 pads with <|endoftext|>
+        # GPT-2 pads with <|endoftext|>
+        pad = tokenizer.special_tokens.get(ENDOFTEXT) if family == "gpt2" and tokenizer is not None else None
         config.update(architectures=[arch], **_hf.head_config_to_hf(model.head, pad))
     elif family == "gpt2":
         hf_sd = _hf.gpt2_to_hf(sd)
@@ -403,17 +405,12 @@ def _unwrap(model):
             return model
 
 
-def _family(model):
-    if isinstance(model, HEAD_MODELS):
-        return ("gpt2" if isinstance(model.config, GPT2Config) else "bert"), False
-    if isinstance(model, GPT2):
-        return "gpt2", False
-    if isinstance(model, BertForPreTraining):
-        return "bert", True
-    if isinstance(model, Bert):
-        return "bert", False
-    raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert, BertForPreTraining or a "
-                     f"fine-tuned head model ({', '.join(c.__name__ for c in HEAD_MODELS)})")
+def _family(model) -> tuple[str, bool]:
+    """(the family, whether the MLM and NSP heads are saved) of a model save() takes."""
+    if not isinstance(model, (GPT2, Bert, BertForPreTraining, *HEAD_MODELS)):
+        raise ValueError(f"cannot save a {type(model).__name__}; duolm.save takes GPT2, Bert, BertForPreTraining or a "
+                         f"fine-tuned head model ({', '.join(c.__name__ for c in HEAD_MODELS)})")
+    return model.config.family, isinstance(model, BertForPreTraining)
 
 
 def _save_safetensors(sd: dict, file: Path):

@@ -1,6 +1,5 @@
 """Text in, text out, over duolm.generation's ids: UTF-8-safe streaming with stop strings (TextStream),
-generate_text for GPT-2 and fill_mask_text for BERT. The tokenizer is passed in (duck-typed): this module
-imports no tokenizer code."""
+generate_text for GPT-2 and fill_mask_text for BERT, each with its model's tokenizer."""
 from __future__ import annotations
 
 import codecs
@@ -8,26 +7,29 @@ import codecs
 import torch
 
 from duolm.generation import StopReason, beam_search, fill_mask, generate
+from duolm.models import GPT2, BertForPreTraining
+from duolm.tokenizers import ByteLevelBPE, WordPiece
 
 
 def fill_mask_text(model, tokenizer, text: str, top_k: int = 5) -> tuple[list, str]:
     """fill_mask on text: `text` holds one or more "[MASK]" (typed by the user, so the WordPiece
     tokenizer keeps it as the mask token). -> ([[(piece, probability), ...] per mask], the text with
     every mask replaced by its most likely piece)."""
-    if not hasattr(model, "mlm"):
+    if not isinstance(model, BertForPreTraining):
         raise ValueError(f"fill-mask needs a BERT model with its masked-LM head, got {type(model).__name__} "
                          f"(BertForPreTraining, or HF BertForMaskedLM / BertForPreTraining)")
-    if tokenizer is None or not hasattr(tokenizer, "mask_id"):
+    if not isinstance(tokenizer, WordPiece):
         raise ValueError("fill-mask needs the model's WordPiece tokenizer (vocab.txt)")
-    enc = tokenizer.encode(text)
-    if tokenizer.mask_id not in enc.ids:
+    ids = tokenizer.encode(text)
+    if tokenizer.mask_id not in ids:
         raise ValueError('the text has no [MASK]; write [MASK] where a word should go, '
                          'e.g. "The capital of France is [MASK]."')
-    results = fill_mask(model, enc.ids, tokenizer.mask_id, top_k=top_k, segment_ids=enc.segment_ids)
-    best = list(enc.ids)
+    results = fill_mask(model, ids, tokenizer.mask_id, top_k=top_k)
+    best = list(ids)
     for fillers in results:
         best[best.index(tokenizer.mask_id)] = fillers[0][0]
-    return [[(tokenizer.inv[i], p) for i, p in fillers] for fillers in results], tokenizer.decode(best)
+    return ([[(tokenizer.inv[i], p) for i, p in fillers] for fillers in results],
+            tokenizer.decode(best, skip_special=True))
 
 
 
@@ -107,9 +109,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
     shown), a `stop` string (cut before it), max_new_tokens or a full window. num_beams > 1: beam
     search (deterministic; the text comes in one piece). seed: reproducible sampling (None: fresh).
     Faster CPU decoding, same numbers: a model swapped by duolm.precision.quantize(model, "fp32")."""
-    if not hasattr(model, "hidden") or not hasattr(model, "head"):
+    if not isinstance(model, GPT2):
         raise ValueError(f"generate_text needs a GPT-2 model, got {type(model).__name__} (for BERT use fill_mask)")
-    if tokenizer is None or not hasattr(tokenizer, "decode_bytes"):
+    if not isinstance(tokenizer, ByteLevelBPE):
         raise ValueError("generate_text needs the model's byte-level BPE tokenizer (vocab.json + merges.txt)")
     if truncation not in ("none", "left"):
         raise ValueError(f"truncation={truncation!r} must be 'none' or 'left'")

@@ -81,59 +81,26 @@ def add_finetune(sub):
     p.set_defaults(func=cmd_finetune)
 
 
-def _read_inputs(args, kind: str) -> list:
-    if kind == "choice":
-        if len(args.texts) < 3:
-            raise ValueError("multiple choice takes a context and two or more endings: CONTEXT ENDING ENDING ...")
-        return [(args.texts[0], args.texts[1:])]
-    if kind == "span":
-        if not args.question or not args.context:
-            raise ValueError("a question answerer needs --question (repeatable) and --context FILE")
-        context = Path(args.context).read_text(encoding="utf-8")
-        return [(q, context) for q in args.question]
-    if args.file:
-        lines = Path(args.file).read_text(encoding="utf-8").splitlines()
-        rows = [tuple(line.split("\t")) if "\t" in line else line for line in lines if line.strip()]
-        bad = next((n for n, r in enumerate(rows, 1) if isinstance(r, tuple) and len(r) != 2), None)
-        if bad:
-            raise ValueError(f"{args.file} line {bad}: expected one text, or two separated by a tab")
-        return rows
-    if args.pairs and len(args.texts) % 2:
-        raise ValueError(f"--pairs takes texts two at a time; got {len(args.texts)}")
-    return list(zip(args.texts[::2], args.texts[1::2])) if args.pairs else args.texts
-
-
-def _prediction_line(inp, r) -> str:
-    if isinstance(r, list):                                  # a tagger: the entities of the text
-        return inp + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}" for e in r)
-    if isinstance(r.get("probabilities"), list):             # multiple choice: the best ending
-        return f"{inp[1][r['label']]}\t{r['label']}\t{r['probabilities'][r['label']]:.4f}"
-    if "answer" in r:
-        span = f"[{r['start']}:{r['end']}]" if r["start"] is not None else "(no answer)"
-        return f"{inp[0]}\t{r['answer']}\t{span}\t{r['score']:.3f}"
-    what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
-    return "\t".join(inp if isinstance(inp, tuple) else (inp,)) + "\t" + what
-
-
 def cmd_predict(args):
     from duolm.fileio import write_text
-    from duolm.tasks import load_finetuned, predict
+    from duolm.tasks import PredictInputs, head_task, load_finetuned, predict
     from duolm.tasks.sentence import write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
     for_inference(model, args, args.device or "cpu")
+    task = head_task(model.head)
     if args.data:
         files = write_glue_predictions(model, tok, args.data, args.out)
         return print("wrote " + ", ".join(map(str, files)))
-    inputs = _read_inputs(args, model.head.kind)
+    inputs = task.parse(PredictInputs(args.texts, args.file, args.pairs, args.question or [], args.context))
     results = predict(model, tok, inputs)
     if args.json:
         return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
-    lines = [_prediction_line(i, r) for i, r in zip(inputs, results)]
+    lines = [task.line(i, r) for i, r in zip(inputs, results)]
     if args.out:
         write_text(args.out, "\n".join(lines) + "\n")
     print("\n".join(lines) if not args.out else f"wrote {len(lines)} predictions to {args.out}")
-    cut = sum(isinstance(r, dict) and bool(r.get("truncated")) for r in results)
+    cut = sum(bool(r.get("truncated")) for r in results)
     if cut:
         print(f"duolm: {cut} input(s) longer than {model.head.max_length} tokens were cut", file=sys.stderr)
 

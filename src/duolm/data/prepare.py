@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 import regex
 
 from duolm.data.shards import FORMAT, VERSION, dtype_for_vocab, write_shard
 from duolm.fileio import atomic_write, write_json
+from duolm.tokenizers.files import ENDOFTEXT
 
 
 # --- prepare: text files -> shards --------------------------------------------------------------
-
-def tokenizer_kind(tokenizer) -> str:
-    """"wordpiece" for BERT tokenizers (they have [SEP]), "bpe" otherwise."""
-    return "wordpiece" if hasattr(tokenizer, "sep_id") else "bpe"
-
 
 def _wordpiece_chunks(text: str, chunk_chars: int) -> list[str]:
     """Whole documents (blank-line separated) grouped into chunks of at most about chunk_chars; a document
@@ -191,30 +188,13 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 1 or shard_size < 1 or chunk_chars < 1:
         raise ValueError(f"workers ({workers}), shard_size ({shard_size}) and chunk_chars ({chunk_chars}) must be >= 1")
-    kind = tokenizer_kind(tokenizer)
+    kind = tokenizer.kind
     vocab_size = int(tokenizer.vocab_size)
-    eot = getattr(tokenizer, "eot_id", None)
+    eot = tokenizer.special_tokens.get(ENDOFTEXT) if kind == "bpe" else None
     if kind == "bpe" and eot is None:
         raise ValueError("the BPE tokenizer has no <|endoftext|> token to separate documents; "
                          "train it with special_tokens=('<|endoftext|>',)")
-
-    # chunks: (document number, text); the document number tells where a BPE end-of-text goes
-    chunks: list[tuple[int, str]] = []
-    for doc, f in enumerate(files):
-        if not f.is_file():
-            raise FileNotFoundError(f"input file {f} does not exist")
-        try:
-            text = f.read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{f} is not UTF-8 text ({e}); convert it first") from None
-        if kind == "bpe":
-            if text:
-                chunks.extend((doc, c) for c in tokenizer.safe_chunks(text, chunk_chars))
-        else:
-            text = text.replace("\r\n", "\n")
-            chunks.extend((doc, c) for c in _wordpiece_chunks(text, chunk_chars))
-    if not chunks:
-        raise ValueError(f"prepare: the input files ({len(files)}) hold no text")
+    chunks = _chunks(files, tokenizer, chunk_chars)
     sizes = [len(c.encode("utf-8")) for _, c in chunks]
     total = sum(sizes)
     is_val = _choose_val([len(c) for _, c in chunks], val_fraction)
@@ -223,23 +203,9 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "meta.json").unlink(missing_ok=True)  # the directory is incomplete until the new meta is written
     writers = {s: _ShardWriter(out_dir, s, kind, vocab_size, shard_size) for s in ("train", "val")}
-    texts = [c for _, c in chunks]
-    pool = None
-    if workers == 1:  # no pool: encode here
-        results = (_encode_chunk(tokenizer, kind, t) for t in texts)
-    else:
-        # Forked workers inherit the tokenizer and the text, so a task is just a chunk number; with spawn
-        # (Windows) the tokenizer is pickled once per worker and each chunk's text is sent. A result is
-        # the chunk's ids in the shard dtype (2 bytes a token). (An executor rather than a
-        # multiprocessing.Pool: the Pool's worker-handler thread spins while a result waits to be read.)
-        fork = "fork" in multiprocessing.get_all_start_methods()
-        pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork" if fork else "spawn"),
-                                   initializer=_worker_init, initargs=(tokenizer, kind, texts if fork else None))
-        results = pool.map(_worker_encode, range(len(texts)) if fork else texts)
     done = 0
-    try:
-        if hasattr(tokenizer, "save"):  # here, while the workers encode (the main process is idle)
-            tokenizer.save(out_dir / "tokenizer")
+    with _encoded(tokenizer, [c for _, c in chunks], workers) as results:
+        tokenizer.save(out_dir / "tokenizer")   # here, while the workers encode (the main process is idle)
         for i, (ids, sent_lens, doc_sents) in enumerate(results):
             split = "val" if is_val[i] else "train"
             if kind == "bpe":
@@ -253,9 +219,6 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
             done += sizes[i]
             if progress is not None:
                 progress(done, total)
-    finally:
-        if pool is not None:
-            pool.shutdown(cancel_futures=True)
     for w in writers.values():
         w.flush()
 
@@ -266,8 +229,8 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
     if kind == "bpe":
         meta["eot_id"] = int(eot)
     else:
-        for k in ("cls_id", "sep_id", "mask_id", "pad_id", "unk_id"):
-            meta[k] = int(getattr(tokenizer, k))
+        meta.update(cls_id=tokenizer.cls_id, sep_id=tokenizer.sep_id, mask_id=tokenizer.mask_id,
+                    pad_id=tokenizer.pad_id, unk_id=tokenizer.unk_id)
     write_json(out_dir / "meta.json", meta, indent=1)
     # shards of an earlier, bigger run in the same directory
     keep = {n for w in writers.values() for n in w.shards}
@@ -275,3 +238,46 @@ def prepare(files: Iterable, tokenizer, out_dir, *, workers: int = 1, val_fracti
         if _SHARD_NAME.fullmatch(p.name) and p.name.split(".")[0] + ".bin" not in keep:
             p.unlink()
     return meta
+
+
+def _chunks(files: list[Path], tokenizer, chunk_chars: int) -> list[tuple[int, str]]:
+    """(document number, text) of every chunk of the files, in order; the document number tells where a BPE
+    end-of-text goes (see prepare)."""
+    chunks: list[tuple[int, str]] = []
+    for doc, f in enumerate(files):
+        if not f.is_file():
+            raise FileNotFoundError(f"input file {f} does not exist")
+        try:
+            text = f.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{f} is not UTF-8 text ({e}); convert it first") from None
+        if tokenizer.kind == "bpe":
+            if text:
+                chunks.extend((doc, c) for c in tokenizer.safe_chunks(text, chunk_chars))
+        else:
+            text = text.replace("\r\n", "\n")
+            chunks.extend((doc, c) for c in _wordpiece_chunks(text, chunk_chars))
+    if not chunks:
+        raise ValueError(f"prepare: the input files ({len(files)}) hold no text")
+    return chunks
+
+
+@contextmanager
+def _encoded(tokenizer, texts: list[str], workers: int) -> Iterator[Iterable]:
+    """The encoded chunks of `texts` in order (_encode_chunk's results), made here (workers == 1) or by a pool
+    of `workers` processes, shut down on leaving."""
+    kind = tokenizer.kind
+    if workers == 1:  # no pool: encode here
+        yield (_encode_chunk(tokenizer, kind, t) for t in texts)
+        return
+    # Forked workers inherit the tokenizer and the text, so a task is just a chunk number; with spawn
+    # (Windows) the tokenizer is pickled once per worker and each chunk's text is sent. A result is
+    # the chunk's ids in the shard dtype (2 bytes a token). (An executor rather than a
+    # multiprocessing.Pool: the Pool's worker-handler thread spins while a result waits to be read.)
+    fork = "fork" in multiprocessing.get_all_start_methods()
+    pool = ProcessPoolExecutor(workers, multiprocessing.get_context("fork" if fork else "spawn"),
+                               initializer=_worker_init, initargs=(tokenizer, kind, texts if fork else None))
+    try:
+        yield pool.map(_worker_encode, range(len(texts)) if fork else texts)
+    finally:
+        pool.shutdown(cancel_futures=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from duolm.evaluation import prompted, tasks
 from duolm.evaluation.tasks import EvalOptions, Progress
+from duolm.models import GPT2
+from duolm.tokenizers import ByteLevelBPE
 
 TASKS = {
     **{name: partial(tasks.corpus_perplexity, task=name) for name in tasks.CORPORA},
@@ -79,12 +81,11 @@ def paper_number(task: str, size: str | None) -> tuple[str, float] | None:
 def check_model(model, tokenizer, task: str) -> None:
     """A causal LM (GPT-2: hidden states and an output layer) with a byte-level BPE tokenizer that
     fits its vocabulary, or a ValueError saying what is wrong."""
-    model = getattr(model, "_orig_mod", model)
-    if not (hasattr(model, "hidden") and hasattr(model, "head") and hasattr(model.config, "block_size")):
+    if not isinstance(model, GPT2):
         raise ValueError(f"{task} needs a causal language model (GPT-2); got {type(model).__name__}"
                          + (", a masked language model that cannot score text left to right"
-                            if "Bert" in type(model).__name__ else ""))
-    if tokenizer is None or not hasattr(tokenizer, "encode_ordinary"):
+                            if model.config.family == "bert" else ""))
+    if not isinstance(tokenizer, ByteLevelBPE):
         raise ValueError(f"{task} needs the model's byte-level BPE tokenizer (vocab.json + merges.txt), "
                          f"got {type(tokenizer).__name__}")
     if tokenizer.vocab_size > model.config.vocab_size:

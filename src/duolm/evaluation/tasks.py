@@ -91,7 +91,7 @@ def corpus_perplexity(model, tokenizer, data, opts: EvalOptions, on_progress: Pr
             for t in readers.decode_blocks(counted(blocks)):
                 seen["chars"] += len(t)
                 yield t
-    eot = getattr(tokenizer, "eot_id", None)
+    eot = tokenizer.eot_id
     chunks = encode_stream(tokenizer, texts())
     if eot is not None:
         chunks = itertools.chain([[eot]], chunks)
@@ -158,7 +158,7 @@ def lambada_scores(model, tokenizer, examples: list, batch_size: int = 8, stopwo
     block = model.config.block_size
     device = next(model.parameters()).device
     stop = stopword_ids(tokenizer).to(device) if stopword_filter else None
-    eot = getattr(tokenizer, "eot_id", None)
+    eot = tokenizer.eot_id
     seqs = []
     for ex in examples:
         ctx = tokenizer.encode_ordinary(ex.context) or ([eot] if eot is not None else [])

@@ -13,6 +13,7 @@ mapped in duolm.convert. Query, key and value are one fused (3C, C) projection.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -31,6 +32,7 @@ LIMITS = {"vocab_size": 1 << 22, "block_size": 1 << 20, "n_layer": 1024, "n_head
 
 @dataclass
 class BertConfig:
+    family: ClassVar[str] = "bert"     # which model family: every model of it has a config with this
     vocab_size: int = 30522
     block_size: int = 512
     n_layer: int = 12
@@ -152,7 +154,7 @@ def _init_weights(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, 0.0, 0.02)
-            if getattr(m, "bias", None) is not None:
+            if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
         elif isinstance(m, nn.LayerNorm):
             nn.init.ones_(m.weight)
@@ -181,6 +183,11 @@ class Bert(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @property
+    def backbone(self) -> Bert:
+        """The encoder itself (a model with heads names its encoder so)."""
+        return self
 
     def _check(self, idx, segment_ids, attention_mask):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
@@ -282,6 +289,11 @@ class BertForPreTraining(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+    @property
+    def backbone(self) -> Bert:
+        """The encoder under the pretraining heads."""
+        return self.bert
 
     def forward(self, idx, segment_ids=None, attention_mask=None, mlm_positions=None):
         """-> (mlm_logits (B, T, vocab), nsp_logits (B, 2)).

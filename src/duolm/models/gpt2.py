@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -66,6 +67,7 @@ def check_ids(ids: torch.Tensor, n: int, name: str, limit: str) -> None:
 class GPT2Config:
     """Architecture facts (sizes are bounded by LIMITS, so a config file cannot ask for 2**40 rows)."""
 
+    family: ClassVar[str] = "gpt2"     # which model family: every model of it has a config with this
     vocab_size: int = 50257
     block_size: int = 1024
     n_layer: int = 12
@@ -291,6 +293,11 @@ class GPT2(nn.Module):
         """Parameters with the tied embedding counted once and vocabulary padding excluded."""
         pad = (self.config.padded_vocab_size - self.config.vocab_size) * self.config.n_embd
         return sum(p.numel() for p in self.parameters()) - pad
+
+    @property
+    def backbone(self) -> GPT2:
+        """The decoder itself (a model with a head names its decoder so)."""
+        return self
 
     def _check(self, idx, attention_mask, cache):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:

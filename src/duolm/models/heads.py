@@ -14,6 +14,7 @@ small layer (fc, or score for GPT as in transformers' GPT2ForSequenceClassificat
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -73,7 +74,16 @@ def _init(linear: nn.Linear) -> nn.Linear:
     return linear
 
 
-class BertForSequence(nn.Module):
+class _OnBert(nn.Module):
+    """A head model over a Bert encoder, `bert`."""
+    bert: Bert
+
+    @property
+    def backbone(self) -> Bert:
+        return self.bert
+
+
+class BertForSequence(_OnBert):
     """A label (or a number) per input: the pooled [CLS] state (Bert's tanh pooler), dropout, linear."""
 
     def __init__(self, config: BertConfig, head: HeadConfig):
@@ -91,7 +101,7 @@ class BertForSequence(nn.Module):
         return self.fc(self.drop(self.bert.pooled(idx, segment_ids, attention_mask)))
 
 
-class BertForTokens(nn.Module):
+class BertForTokens(_OnBert):
     """A label per token (NER): dropout, then Linear(C, n_labels) on every hidden state."""
 
     def __init__(self, config: BertConfig, head: HeadConfig):
@@ -109,7 +119,7 @@ class BertForTokens(nn.Module):
         return self.fc(self.drop(hidden))
 
 
-class BertForSpans(nn.Module):
+class BertForSpans(_OnBert):
     """Span QA: one Linear(C, 2) gives every token a start score (W_s) and an end score (W_e)."""
 
     def __init__(self, config: BertConfig, head: HeadConfig):
@@ -127,7 +137,7 @@ class BertForSpans(nn.Module):
         return start, end
 
 
-class BertForChoice(nn.Module):
+class BertForChoice(_OnBert):
     """Multiple choice (BERT section 4.4, SWAG): each of N "[CLS] context [SEP] ending [SEP]" inputs gets a score
     from its pooled [CLS] state, the N scores are the logits of a softmax over the endings."""
 
@@ -168,6 +178,10 @@ class GPT2ForSequence(nn.Module):
         self.gpt2 = GPT2(config)
         self.score = _init(nn.Linear(config.n_embd, head.n_out, bias=False))
 
+    @property
+    def backbone(self) -> GPT2:
+        return self.gpt2
+
     def _task(self, h, last):
         """h (B*S, T, C), last (B,) or (B, S) -> task logits (B, n_out) from the last real tokens' states."""
         rows = torch.arange(h.shape[0], device=h.device)
@@ -186,33 +200,30 @@ class GPT2ForSequence(nn.Module):
         return self._task(self.gpt2.hidden(idx.reshape(-1, idx.shape[-1])), last)
 
 
-def head_model(family: str, config, head: HeadConfig) -> nn.Module:
+HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, BertForChoice, GPT2ForSequence)
+HeadModel = BertForSequence | BertForTokens | BertForSpans | BertForChoice | GPT2ForSequence
+
+
+def head_model(family: str, config, head: HeadConfig) -> HeadModel:
     """The head class for a backbone family and a head kind."""
     if family == "gpt2":
         return GPT2ForSequence(config, head)
     if family != "bert":
         raise ValueError(f"family {family!r} is not 'gpt2' or 'bert'")
-    cls = {"classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans,
-           "choice": BertForChoice}
+    cls: dict[str, Callable[[BertConfig, HeadConfig], HeadModel]] = {
+        "classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans,
+        "choice": BertForChoice}
     return cls[head.kind](config, head)
 
 
-HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, BertForChoice, GPT2ForSequence)
-
-
-def backbone(model: nn.Module) -> nn.Module:
-    """The pretrained encoder/decoder inside a head model."""
-    return model.gpt2 if isinstance(model, GPT2ForSequence) else model.bert
-
-
-def attach_head(pretrained: nn.Module, head: HeadConfig, dropout: float | None = None) -> nn.Module:
+def attach_head(pretrained: nn.Module, head: HeadConfig, dropout: float | None = None) -> HeadModel:
     """A head model around a copy of a pretrained GPT2, Bert or BertForPreTraining (its encoder; the MLM and
     NSP heads are left behind), with the backbone's dropout replaced when `dropout` is given. The new
     layer is drawn from the global RNG (seed it first)."""
-    base = pretrained.bert if isinstance(pretrained, BertForPreTraining) else pretrained
-    if not isinstance(base, (GPT2, Bert)):
-        raise ValueError(f"cannot put a head on a {type(base).__name__}; expected GPT2, Bert or BertForPreTraining")
+    if not isinstance(pretrained, (GPT2, Bert, BertForPreTraining)):
+        raise ValueError(f"cannot put a head on a {type(pretrained).__name__}; expected GPT2, Bert or BertForPreTraining")
+    base = pretrained.backbone
     config = base.config if dropout is None else replace(base.config, dropout=dropout)
-    model = head_model("gpt2" if isinstance(base, GPT2) else "bert", config, head)
-    backbone(model).load_state_dict(base.state_dict())
+    model = head_model(config.family, config, head)
+    model.backbone.load_state_dict(base.state_dict())
     return model.to(next(base.parameters()).device)

@@ -59,7 +59,6 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
     except ImportError:
         raise ImportError("duolm serve needs the 'serve' extra: pip install 'duolm[serve]'") from None
     from duolm.checkpoint import load
-    from duolm.models import GPT2
     from duolm.serve.app import create_app
     from duolm.serve.encoders import read_pooling
 
@@ -72,7 +71,7 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
     warning = bind_warning(cfg.host, cfg.api_key)
     if warning:
         log.warning(warning)
-    app = create_app(model, tokenizer, cfg, pooling=None if isinstance(model, GPT2) else read_pooling(model_dir))
+    app = create_app(model, tokenizer, cfg, pooling=read_pooling(model_dir) if model.config.family == "bert" else None)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):

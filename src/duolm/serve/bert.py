@@ -13,6 +13,7 @@ import base64
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
 
+from duolm.models import BertForPreTraining
 from duolm.serve.completions import to_id_lists
 from duolm.serve.deps import Served
 from duolm.serve.encoders import embed
@@ -32,7 +33,7 @@ def router(s: Served) -> APIRouter:
     for any other model."""
     r = APIRouter()
     model, tok, cfg = s.model, s.tokenizer, s.model.config
-    bert, mlm = s.family == "bert", hasattr(s.model, "mlm")
+    bert, mlm = s.family == "bert", isinstance(s.model, BertForPreTraining)
 
     def embed_fn(ids):
         return embed(model, ids, s.pooling)
@@ -92,9 +93,7 @@ def router(s: Served) -> APIRouter:
 def bert_inputs(value, tokenizer, limit: int | None) -> list:
     """Texts -> [CLS] pieces [SEP]; token-id lists (word pieces) get [CLS] and [SEP] around them.
     More than MAX_INPUTS inputs, or one longer than `limit` tokens (None: no limit), raise APIError(400)."""
-    def encode(text):
-        return tokenizer.encode(text).ids
-    ids = to_id_lists(value, "input", encode, tokenizer.vocab_size)
+    ids = to_id_lists(value, "input", tokenizer.encode, tokenizer.vocab_size)
     if len(ids) > MAX_INPUTS:
         raise APIError(400, f"input: {len(ids)} inputs, at most {MAX_INPUTS} per request", "input")
     raw = isinstance(value, list) and value and not isinstance(value[0], str)

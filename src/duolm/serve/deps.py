@@ -15,8 +15,7 @@ from typing import Protocol
 from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from duolm.models import GPT2
-from duolm.models.heads import HEAD_MODELS, GPT2ForSequence
+from duolm.models.heads import HEAD_MODELS
 from duolm.serve.encoders import Pooling
 from duolm.serve.metrics import Admission, Metrics
 from duolm.serve.schemas import APIError
@@ -54,7 +53,7 @@ class Served:
 
     @property
     def family(self) -> str:
-        return "gpt2" if isinstance(self.model, (GPT2, GPT2ForSequence)) else "bert"
+        return self.model.config.family
 
     @property
     def head(self):

@@ -71,7 +71,7 @@ def read_pooling(model_dir) -> Pooling:
 def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
     """Token-id lists (each with [CLS] ... [SEP]) -> one float32 vector (C,) each, pooled as
     `pooling` says. Inputs are sorted by length and run in right-padded batches of `batch_size`."""
-    bert = getattr(model, "bert", model)
+    bert = model.backbone
     device = bert.wte.weight.device
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out = [None] * len(ids)

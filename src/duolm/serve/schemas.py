@@ -87,9 +87,17 @@ class ClassifyRequest(_Request):
     """A text, or a list of texts and [text, text] pairs."""
     input: str | _many(Union[str, Pair])
 
+    def inputs(self) -> list:
+        """What predict() takes: texts and (text, text) pairs."""
+        inputs = [self.input] if isinstance(self.input, str) else self.input
+        return [x if isinstance(x, str) else tuple(x) for x in inputs]
+
 
 class NERRequest(_Request):
     input: str | _many(str)
+
+    def inputs(self) -> list[str]:
+        return [self.input] if isinstance(self.input, str) else self.input
 
 
 class Question(BaseModel):
@@ -111,7 +119,7 @@ class QARequest(_Request):
             raise ValueError("give question and context, or input: a list of {question, context} (not both)")
         return self
 
-    def pairs(self) -> list[tuple[str, str]]:
+    def inputs(self) -> list[tuple[str, str]]:
         items = self.input or [self]
         return [(q.question, q.context) for q in items]
 

@@ -13,25 +13,20 @@ from duolm.checkpoint import hf_tokenizer_config
 from duolm.serve.completions import encode_text
 from duolm.serve.deps import Served
 from duolm.serve.schemas import APIError, DetokenizeRequest, TokenizeRequest
-from duolm.tokenizers.files import token_str
 
 
 def router(s: Served) -> APIRouter:
     r = APIRouter()
-    tok, gpt2 = s.tokenizer, s.family == "gpt2"
+    tok = s.tokenizer
 
     def ids_of(body: TokenizeRequest) -> list:
-        if gpt2:
+        if s.family == "gpt2":          # the request's allowed_special: GPT-2's rule for typed special tokens
             return encode_text(tok, body.prompt, body.allowed_special)
         if body.allowed_special:
             raise APIError(400, "allowed_special: BERT's tokenizer reads [CLS], [SEP], [MASK] typed in a text as "
                                 "those tokens already", "allowed_special")
-        ids = list(tok.encode(body.prompt).ids)
+        ids = tok.encode(body.prompt)
         return ids if body.add_special_tokens else ids[1:-1]
-
-    def piece(i: int) -> str:
-        """A token as the tokenizer's vocabulary file spells it (vocab.json's "Ġthe", vocab.txt's "##s")."""
-        return token_str(tok.decode_bytes([i])) if gpt2 else tok.inv[i]
 
     @r.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
@@ -40,14 +35,14 @@ def router(s: Served) -> APIRouter:
         s.check_model(body.model)
         ids = await run_in_threadpool(ids_of, body)
         return {"count": len(ids), "max_model_len": s.model.config.block_size, "tokens": ids,
-                "token_strs": [piece(i) for i in ids] if body.return_token_strs else None}
+                "token_strs": tok.pieces(ids) if body.return_token_strs else None}
 
     @r.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         """The text of ids: {"prompt"} (special tokens included, as HF's decode gives them)."""
         s.check_model(body.model)
         try:
-            text = tok.decode(body.tokens) if gpt2 else tok.decode(body.tokens, skip_special=False)
+            text = tok.decode(body.tokens)
         except ValueError as e:         # an id outside the vocabulary
             raise APIError(400, f"tokens: {e}", "tokens") from None
         return {"prompt": text}
@@ -56,7 +51,6 @@ def router(s: Served) -> APIRouter:
     async def tokenizer_info():
         """The tokenizer_config.json of the model's Hugging Face export (duolm convert --to hf), and HF's map
         of the special tokens' ids, added_tokens_decoder."""
-        specials = tok.special_tokens if gpt2 else {tok.inv[i]: i for i in sorted(tok.special_ids)}
-        return {**hf_tokenizer_config(tok, s.model.config.block_size),
-                "added_tokens_decoder": {str(i): {"content": t, "special": True} for t, i in specials.items()}}
+        specials = {str(i): {"content": t, "special": True} for t, i in tok.special_tokens.items()}
+        return {**hf_tokenizer_config(tok, s.model.config.block_size), "added_tokens_decoder": specials}
     return r

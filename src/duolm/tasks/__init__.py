@@ -1,5 +1,5 @@
 """Downstream tasks, one module per family, each read top to bottom like a paper's appendix (reader, features,
-objective, prediction, scores) and exporting one typed `Task`:
+objective, prediction, scores, `duolm predict`'s inputs and lines), each one a typed `Task`:
 
     sentence   GLUE and the user's labelled texts: classification / regression, BERT and GPT (+ the LM loss)
     tagging    CoNLL-2003 NER, a label per word (BERT)
@@ -10,7 +10,7 @@ objective, prediction, scores) and exporting one typed `Task`:
     model, tok = load_finetuned("runs/sst2/best")
     predict(model, tok, ["a gripping film"])           # [{"label": "1", "probabilities": {...}}]
 
-Adding a GLUE-shaped task is a line in sentence.GLUE; a new kind of task is a module with its TASK here, plus
+Adding a GLUE-shaped task is a line in sentence.GLUE; a new kind of task is a module listed in TASKS here, plus
 its head in duolm.models.heads.
 """
 from __future__ import annotations
@@ -21,9 +21,9 @@ from duolm.checkpoint import load
 from duolm.models.heads import HEAD_MODELS, HeadConfig
 from duolm.objectives import Objective
 from duolm.tasks import choice, sentence, span, tagging
-from duolm.tasks.base import Data, Files, Task, TaskBatches, TaskOptions, first
+from duolm.tasks.base import Data, Files, PredictInputs, Task, TaskBatches, TaskOptions, first
 
-TASKS = (sentence.TASK, tagging.TASK, span.TASK, choice.TASK)
+TASKS: tuple[Task, ...] = (sentence, tagging, span, choice)       # each module is a Task (mypy checks it here)
 BY_NAME = {name: t for t in TASKS for name in t.names}
 BY_KIND = {kind: t for t in TASKS for kind in t.kinds}
 
@@ -35,6 +35,11 @@ def task(name: str) -> Task:
     if found is None:
         raise ValueError(f"unknown task {name!r}; choose one of: {', '.join(BY_NAME)}")
     return found
+
+
+def head_task(head: HeadConfig) -> Task:
+    """The Task of a fine-tuned head: what its predictions are, how they are read, printed and served."""
+    return BY_KIND[head.kind]
 
 
 @dataclass
@@ -78,18 +83,18 @@ def prepare(name: str, tokenizer, family: str, options: TaskOptions, files: File
     return Prepared(t, head, train, t.objective(family, head, lm_coef), data.dev, dev, data.metrics, info)
 
 
-def predict(model, tokenizer, inputs, batch_size: int = 64) -> list:
+def predict(model, tokenizer, inputs, batch_size: int = 64) -> list[dict]:
     """Predictions of a fine-tuned model, whatever its head: classify / regress: texts or (text, text) pairs ->
-    {"label", "probabilities"} / {"score"}; tag: texts -> their entities; span: (question, context) pairs ->
+    {"label", "probabilities"} / {"score"}; tag: texts -> {"entities"}; span: (question, context) pairs ->
     {"answer", "start", "end", "score"}; choice: (context, [endings]) -> {"label", "probabilities"}."""
-    return BY_KIND[model.head.kind].predict(model, tokenizer, inputs, batch_size)
+    return head_task(model.head).predict(model, tokenizer, inputs, batch_size)
 
 
 def evaluate(model, tokenizer, files: Files, split: str = "dev", dev_fraction: float = 0.0,
              batch_size: int = 64) -> tuple[dict, list]:
     """The official metrics of a fine-tuned model on the dev (or train) data of the task it was trained on ->
     ({prefix + metric: value}, notes about the data)."""
-    t, head = BY_KIND[model.head.kind], model.head
+    t, head = head_task(model.head), model.head
     splits = ("train", "dev") if split == "train" or dev_fraction else ("dev",)
     data = t.read(head.task or head.kind, files, splits, TaskOptions(dev_fraction=dev_fraction), head)
     items = {"": data.train} if split == "train" else data.dev
@@ -110,5 +115,5 @@ def load_finetuned(path, device="cpu"):
     return model, tok
 
 
-__all__ = ["Task", "TASKS", "task", "Prepared", "prepare", "predict", "evaluate", "load_finetuned", "Data", "Files",
-           "TaskOptions", "TaskBatches"]
+__all__ = ["Task", "TASKS", "task", "head_task", "Prepared", "prepare", "predict", "evaluate", "load_finetuned", "Data",
+           "Files", "TaskOptions", "TaskBatches", "PredictInputs"]

@@ -1,5 +1,6 @@
-"""What every downstream task shares: the typed `Task` a task module exports, the data it reads (`Data`), the
-options of its inputs (`TaskOptions`), the table reader for the user's files, and the batching of encoded
+"""What every downstream task shares: the typed `Task` each task module is, the data it reads (`Data`), the
+options of its inputs (`TaskOptions`), its encoded examples (`Features`), what a user gives `duolm predict`
+(`PredictInputs`), the table reader for the user's files, and the batching of encoded
 examples for training (`TaskBatches`) and for prediction (`run_model`).
 
 `TaskBatches` serves training batches as a pure function of (seed, step), like the pretraining batch
@@ -15,14 +16,16 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 import torch
 
 from duolm.config import opt
 from duolm.data.causal import generator, rank_rows
-from duolm.models.heads import MAX_LENGTH, SPAN_MAX_LENGTH
+from duolm.models.heads import MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, HeadModel
+from duolm.objectives import Objective
+from duolm.tokenizers import Tokenizer
 
 csv.field_size_limit(sys.maxsize)         # long passages (RTE, QNLI) are one field
 
@@ -82,31 +85,79 @@ class Data:
     notes: list = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class Task:
-    """A family of downstream tasks (one module of duolm.tasks), read like a paper's appendix:
+class Features(Protocol):
+    """A task's encoded examples: len(), each example's length in tokens, a padded batch of any rows, and `cut`,
+    the examples that were cut to max_length."""
+    cut: list[int]
 
-    read(name, files, splits, options, head) -> Data: the reader (head: a trained model's, whose label space the
-          data must match; None when training);
-    head(data, family, options, block_size) -> HeadConfig: what the fine-tuned head predicts;
-    encode(items, tokenizer, head, options) -> features: len(), lengths(), collate(rows) -> a padded batch, and
-          cut (the inputs that were cut to max_length);
-    objective(family, head, lm_coef) -> Objective (duolm.objectives);
-    predict(model, tokenizer, inputs, batch_size) -> [prediction per input];
-    score(model, tokenizer, items, features, batch_size) -> {metric: value} (the official metrics; features may
-          be None; those named in `percent` are x 100, as the official scripts give them);
-    trained(items) -> the items that are trained on (default: all)."""
-    kinds: tuple
-    names: tuple
+    def __len__(self) -> int: ...
+
+    def lengths(self) -> np.ndarray: ...
+
+    def collate(self, rows: Sequence[int]) -> dict[str, torch.Tensor]: ...
+
+
+@dataclass
+class PredictInputs:
+    """What a user hands `duolm predict`, each task taking what its inputs need (Task.parse): texts on the
+    command line (with `pairs`: two at a time), a file of one input per line, questions and a context file."""
+    texts: list[str] = field(default_factory=list)
+    file: str | Path | None = None
+    pairs: bool = False
+    questions: list[str] = field(default_factory=list)
+    context: str | Path | None = None
+
+
+class Task(Protocol):
+    """A family of downstream tasks, read like a paper's appendix: each module of duolm.tasks is one, its
+    functions these methods. Its attributes: kinds (the head kinds it trains), names (the task names it reads),
+    unit (what a training example is, for notes), percent (the metrics the official scripts give x 100), route
+    (the server's route that answers its predictions, None: none)."""
+    kinds: tuple[str, ...]
+    names: tuple[str, ...]
     unit: str
-    read: Callable
-    head: Callable
-    encode: Callable
-    objective: Callable
-    predict: Callable
-    score: Callable
-    percent: tuple = ()
-    trained: Callable = list
+    percent: tuple[str, ...]
+    route: str | None
+
+    def read(self, name: str, files: Files, splits: Sequence[str], options: TaskOptions,
+             head: HeadConfig | None = None, /) -> Data:
+        """The reader; head: a trained model's, whose label space the data must match (None when training)."""
+        ...
+
+    def head(self, data: Data, family: str, options: TaskOptions, block_size: int, /) -> HeadConfig:
+        """What the fine-tuned head predicts."""
+        ...
+
+    def encode(self, items: list, tokenizer: Tokenizer, head: HeadConfig, options: TaskOptions | None = None, /
+               ) -> Features:
+        """The items' model inputs, cut to head.max_length."""
+        ...
+
+    def objective(self, family: str, head: HeadConfig, lm_coef: float, /) -> Objective:
+        """The loss of a `family` model with this head (GPT: + lm_coef x the LM loss where the task has it)."""
+        ...
+
+    def predict(self, model: HeadModel, tokenizer: Tokenizer, inputs: list, batch_size: int = 64, /
+                ) -> list[dict[str, Any]]:
+        """A prediction per input, a JSON object ("truncated": True marks an input cut to max_length)."""
+        ...
+
+    def score(self, model: HeadModel, tokenizer: Tokenizer, items: list, features: Features | None = None,
+              batch_size: int = 64, /) -> dict[str, Any]:
+        """The official metrics (features may be None: encoded here)."""
+        ...
+
+    def trained(self, items: list, /) -> list:
+        """The items that are trained on."""
+        ...
+
+    def parse(self, given: PredictInputs, /) -> list:
+        """The inputs of predict() in what a user gave `duolm predict` (a ValueError when it does not fit)."""
+        ...
+
+    def line(self, given: Any, prediction: dict[str, Any], /) -> str:
+        """One input and its prediction as the line `duolm predict` prints."""
+        ...
 
 
 # --- the user's table files ------------------------------------------------------------------------------
@@ -202,6 +253,7 @@ def first(examples: list, limit: int, notes: list, what: str = "training example
 
 class TokenRows:
     """len() and lengths() of features whose ids[i] is one input's token ids (tagging, span windows)."""
+    ids: list[list[int]]
 
     def __len__(self):
         return len(self.ids)

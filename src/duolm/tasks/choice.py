@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from duolm.metrics import accuracy
 from duolm.models.heads import HeadConfig
 from duolm.objectives import Objective
-from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, column, holdout, pad, read_rows, run_model
+from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, column, holdout, pad, read_rows, run_model
 from duolm.tokenizers import WordPiece
 
 ENDING = re.compile(r"ending(\d+)$")
@@ -118,9 +118,9 @@ def encode(choices, tokenizer, head: HeadConfig, options=None) -> ChoiceFeatures
     out = ChoiceFeatures([], [], [] if choices and all(c.label is not None for c in choices) else None,
                          tokenizer.pad_id)
     for i, c in enumerate(choices):
-        encs = [tokenizer.encode(c.context, ending) for ending in c.endings]
+        encs = [tokenizer.encode_with_offsets(c.context, e) for e in c.endings]
         if any(len(e.ids) > head.max_length for e in encs):
-            encs = [tokenizer.encode(c.context, ending, max_length=head.max_length) for ending in c.endings]
+            encs = [tokenizer.encode_with_offsets(c.context, e, max_length=head.max_length) for e in c.endings]
             out.cut.append(i)
         out.ids.append([e.ids for e in encs])
         out.segment_ids.append([e.segment_ids for e in encs])
@@ -183,5 +183,24 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("choice", [], data.name, min(options.max_length or MAX_LENGTH, block_size))
 
 
-TASK = Task(kinds=("choice",), names=("multiple-choice", "swag"), unit="training examples", read=read,
-            head=make_head, encode=encode, objective=objective, predict=predict, score=score)
+def parse(given: PredictInputs) -> list[tuple[str, list[str]]]:
+    """One (context, [ending, ...]): given.texts, a context and two or more endings."""
+    if len(given.texts) < 3:
+        raise ValueError("multiple choice takes a context and two or more endings: CONTEXT ENDING ENDING ...")
+    return [(given.texts[0], given.texts[1:])]
+
+
+def line(choice: tuple[str, list[str]], prediction: dict) -> str:
+    """The best ending, its number and probability."""
+    best = prediction["label"]
+    return f"{choice[1][best]}\t{best}\t{prediction['probabilities'][best]:.4f}"
+
+
+# This module is a duolm.tasks.base.Task: the functions above and what follows (tasks/__init__ checks it).
+kinds: tuple[str, ...] = ("choice",)
+names: tuple[str, ...] = ("multiple-choice", "swag")
+unit = "training examples"
+percent: tuple[str, ...] = ()
+route: str | None = None
+head = make_head
+trained = list

@@ -7,10 +7,7 @@ regression, for BERT and GPT. Read top to bottom: the readers, the features, the
                                                    generalisation and convergence (lambda 0.5)
 
 GLUE: the tasks' table is duolm.tasks.glue; their files are read here, and the submission files written.
-
-User files: the columns are named (a header row for csv / tsv, keys for jsonl). A label column whose
-values are all numbers, some of them not integers, is a regression target; otherwise the labels are
-classes (sorted: numerically when they are all integers). A column mixing numbers and words is an error.
+The examples in GLUE's and the user's files, and the label space they imply: duolm.tasks.examples.
 
 Inputs: BERT reads "[CLS] A [SEP] B [SEP]" with segment ids 0 / 1, through the WordPiece tokenizer's pair
 encoding; too long pairs lose tokens from the longer text first (HF's "longest_first"). GPT reads
@@ -31,102 +28,12 @@ from duolm.fileio import write_text
 from duolm.metrics import SEQUENCE_METRICS
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective, causal_lm_loss
-from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, column, holdout, pad, read_rows, run_model
+from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, holdout, pad, run_model
+from duolm.tasks.examples import Example, check_labels, label_space, read_examples
 from duolm.tasks.glue import GLUE, USER_TASKS, glue_task
 from duolm.tokenizers import ByteLevelBPE, WordPiece
 
 # --- readers ---------------------------------------------------------------------------------------------
-
-@dataclass
-class Example:
-    """One input: a text or a pair, its label (a class name, a number, or None for test data), and where it
-    came from ("file:line", for errors; `index` is the GLUE test id the submission file needs)."""
-    text_a: str
-    text_b: str | None = None
-    label: str | float | None = None
-    where: str = ""
-    index: str | None = None
-
-
-def read_examples(path, text: str, pair: str | None = None, label: str | None = None, *,
-                  columns: tuple | None = None, index: str | None = None) -> list[Example]:
-    """Examples from the named columns of a file (see read_rows); label None: unlabelled (test) data."""
-    header, rows = read_rows(path, columns)
-    if not rows:
-        raise ValueError(f"{path}: no examples (the file is empty{' or holds only its header' if header else ''})")
-    for name, what in ((text, "text"), (pair, "text pair"), (label, "label"), (index, "index")):
-        if name is not None:
-            column(path, header, name, what)
-    out = []
-    for line, row in rows:
-        missing = [c for c in (text, pair, label) if c is not None and row.get(c) is None]
-        if missing:                                   # jsonl objects may lack a key the others have
-            raise ValueError(f"{path} line {line}: no value for column(s) {missing}")
-        out.append(Example(str(row[text]), None if pair is None else str(row[pair]),
-                           None if label is None else row[label], f"{path}:{line}",
-                           None if index is None else str(row[index])))
-    return out
-
-
-def _number(v):
-    """int, float or None (not a number) for a label value from a file (text) or from JSON."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return v
-    s = str(v).strip()
-    for kind in (int, float):
-        try:
-            return kind(s)
-        except ValueError:
-            pass
-    return None
-
-
-def label_space(examples: list[Example], path, force_regress: bool = False) -> tuple[str, list[str]]:
-    """(kind, labels) a training set implies: ("regress", []) when every label is a number and some is not an
-    integer (or force_regress), else ("classify", sorted class names). Mixed numbers and words are an error.
-
-    Example: labels "pos", "neg", "pos" -> ("classify", ["neg", "pos"]); "2", "10" -> ("classify", ["2", "10"]);
-    "0.5", "3" -> ("regress", [])."""
-    values = [e.label for e in examples]
-    nums = [_number(v) for v in values]
-    words = [(e, v) for e, v, n in zip(examples, values, nums) if n is None]
-    if words and len(words) < len(values):
-        num = next(e for e, n in zip(examples, nums) if n is not None)
-        raise ValueError(f"{path}: the label column mixes numbers ({num.label!r} at {num.where}) and words "
-                         f"({words[0][1]!r} at {words[0][0].where}); labels must be all class names or all numbers")
-    if force_regress and words:
-        raise ValueError(f"{path}: regression needs numeric labels; {words[0][1]!r} at {words[0][0].where} is not")
-    if not words and (force_regress or any(isinstance(n, float) for n in nums)):
-        for e, n in zip(examples, nums):
-            e.label = float(n)
-        return "regress", []
-    names = {str(v).strip() if not isinstance(v, str) else v for v in values}
-    for e in examples:
-        e.label = str(e.label).strip() if not isinstance(e.label, str) else e.label
-    if len(names) < 2:
-        raise ValueError(f"{path}: every example has the label {next(iter(names))!r}; a classifier needs two or more")
-    key = (lambda s: int(s)) if not words else (lambda s: s)
-    return "classify", sorted(names, key=key)
-
-
-def check_labels(examples: list[Example], kind: str, labels) -> None:
-    """Every label of (dev) `examples` must be one the model has (classify) or a number (regress)."""
-    known = set(labels)
-    for e in examples:
-        if e.label is None:
-            raise ValueError(f"{e.where}: no label")
-        if kind == "regress":
-            n = _number(e.label)
-            if n is None:
-                raise ValueError(f"{e.where}: label {e.label!r} is not a number (the task is a regression)")
-            e.label = float(n)
-        else:
-            e.label = e.label if isinstance(e.label, str) else str(e.label)
-            if e.label not in known:
-                raise ValueError(f"{e.where}: label {e.label!r} was not seen in training (labels: {', '.join(labels)})")
-
 
 def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction: float = 0.0) -> Data:
     """A GLUE task from its standard folder. Without dev files, `dev_fraction` > 0 holds out the LAST share
@@ -178,7 +85,7 @@ def load_user(train=None, dev=None, text: str = "text", pair: str | None = None,
         data.train = read_examples(train, text, pair, label)
         data.kind, data.labels = label_space(data.train, train, force_regress=regress)
     else:
-        data.kind, data.labels = kind, list(labels or [])
+        data.kind, data.labels = kind or data.kind, list(labels or [])
     data.metrics = user_metrics(data.kind, data.labels)
     if dev is not None:
         data.dev = {"": read_examples(dev, text, pair, label)}
@@ -201,11 +108,10 @@ def write_submission(path, examples: list[Example], predictions: list) -> Path:
 # --- features ---------------------------------------------------------------------------------------------
 
 @dataclass
-class Features:
+class SentenceFeatures:
     """Encoded examples. ids[i]: the token ids of example i (GPT both orders: a pair of id lists);
-    segment_ids: BERT only; labels: class ids or numbers (None: unlabelled); cut: the examples that were
-    truncated to max_length."""
-    family: str
+    segment_ids: BERT's (None: GPT's inputs); labels: class ids or numbers (None: unlabelled); cut: the examples
+    that were truncated to max_length."""
     ids: list
     segment_ids: list | None
     labels: list | None
@@ -233,7 +139,7 @@ class Features:
         flat = [s for r in seqs for s in (r if S == 2 else (r,))]
         idx, real = pad(flat, self.pad_id)
         T = idx.shape[1]
-        if self.family == "bert":
+        if self.segment_ids is not None:          # BERT
             batch = {"idx": idx, "segment_ids": pad([self.segment_ids[r] for r in rows], 0)[0], "attention_mask": real}
         else:
             n = real.sum(1)
@@ -265,43 +171,45 @@ def truncate_pair(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
 
 
 def encode_examples(examples: Sequence[Example], tokenizer, max_length: int, labels: list | None = None,
-                    kind: str = "classify", both_orders: bool = False) -> Features:
+                    kind: str = "classify", both_orders: bool = False) -> SentenceFeatures:
     """Token ids of each example (see the module doc), cut to `max_length`; labels -> ids (classify: the
     position of the label name in `labels`; regress: the number; unlabelled examples: no labels)."""
     if isinstance(tokenizer, WordPiece):
         ids, segs, cut = _encode_bert(examples, tokenizer, max_length)
-        family, pad_id = "bert", tokenizer.pad_id
+        pad_id = tokenizer.pad_id
     elif isinstance(tokenizer, ByteLevelBPE):
-        ids, cut = _encode_gpt(examples, tokenizer, max_length, both_orders)
-        family, segs, pad_id = "gpt2", None, tokenizer.eot_id
+        if tokenizer.eot_id is None:
+            raise ValueError("the GPT tokenizer has no <|endoftext|> token to delimit sentence pairs")
+        ids, cut = _encode_gpt(examples, tokenizer, tokenizer.eot_id, max_length, both_orders)
+        segs, pad_id = None, tokenizer.eot_id
     else:
         raise ValueError(f"cannot encode with a {type(tokenizer).__name__}; expected WordPiece or ByteLevelBPE")
     y = None
     if examples and all(e.label is not None for e in examples):
+        golds: list = [e.label for e in examples]
         if kind == "regress":
-            y = [float(e.label) for e in examples]
+            y = [float(g) for g in golds]
         else:
-            index = {name: i for i, name in enumerate(labels)}
-            y = [index[e.label] for e in examples]
-    return Features(family, ids, segs, y, pad_id, cut)
+            index = {name: i for i, name in enumerate(labels or [])}
+            y = [index[g] for g in golds]
+    return SentenceFeatures(ids, segs, y, pad_id, cut)
 
 
 def _encode_bert(examples, tok: WordPiece, max_length: int):
     ids, segs, cut = [], [], []
     for i, e in enumerate(examples):
-        enc = tok.encode(e.text_a, e.text_b)
+        enc = tok.encode_with_offsets(e.text_a, e.text_b)
         if len(enc.ids) > max_length:
-            enc = tok.encode(e.text_a, e.text_b, max_length=max_length)
+            enc = tok.encode_with_offsets(e.text_a, e.text_b, max_length=max_length)
             cut.append(i)
         ids.append(enc.ids)
         segs.append(enc.segment_ids)
     return ids, segs, cut
 
 
-def _encode_gpt(examples, tok: ByteLevelBPE, max_length: int, both_orders: bool):
-    if tok.eot_id is None:
-        raise ValueError("the GPT tokenizer has no <|endoftext|> token to delimit sentence pairs")
-    eot, out, cut = tok.eot_id, [], []
+def _encode_gpt(examples, tok: ByteLevelBPE, eot: int, max_length: int, both_orders: bool):
+    out: list = []
+    cut = []
     for i, e in enumerate(examples):
         a = tok.encode_ordinary(e.text_a)
         b = tok.encode_ordinary(e.text_b) if e.text_b is not None else None
@@ -381,19 +289,19 @@ def _classify(model, b):
     return model.classify(b["idx"], b["last"])
 
 
-def predict_logits(model, features: Features, batch_size: int = 64) -> torch.Tensor:
+def predict_logits(model, features: SentenceFeatures, batch_size: int = 64) -> torch.Tensor:
     """The head's outputs (N, n_out) for every example of `features`, in order (float32, on the CPU)."""
     rows = run_model(_classify, model, features, batch_size)
     return torch.stack(rows) if rows else torch.empty(0, model.head.n_out)
 
 
-def encode(examples, tokenizer, head: HeadConfig, options=None) -> Features:
+def encode(examples, tokenizer, head: HeadConfig, options=None) -> SentenceFeatures:
     return encode_examples(examples, tokenizer, head.max_length, head.labels, head.kind, head.both_orders)
 
 
-def scores(logits: torch.Tensor, features: Features, kind: str, metrics) -> dict[str, float]:
+def scores(logits: torch.Tensor, features: SentenceFeatures, kind: str, metrics) -> dict[str, float]:
     """The task's metrics (names in duolm.metrics.SEQUENCE_METRICS) and the mean loss."""
-    gold = features.labels
+    gold = features.labels or []
     if kind == "regress":
         pred = logits[:, 0].tolist()
         loss = F.mse_loss(logits[:, 0], torch.tensor(gold)).item()
@@ -408,7 +316,7 @@ def _metrics_of(head: HeadConfig) -> tuple:
     return GLUE[key].metrics if key in GLUE else user_metrics(head.kind, head.labels)
 
 
-def score(model, tokenizer, examples, features: Features | None = None, batch_size: int = 64) -> dict[str, float]:
+def score(model, tokenizer, examples, features=None, batch_size: int = 64) -> dict[str, float]:
     """The task's metrics of a fine-tuned model on labelled examples, and the mean loss."""
     features = features or encode(examples, tokenizer, model.head)
     return scores(predict_logits(model, features, batch_size), features, model.head.kind, _metrics_of(model.head))
@@ -422,6 +330,7 @@ def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
     examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
     feats = encode(examples, tokenizer, head)
     logits = predict_logits(model, feats, batch_size)
+    out: list[dict]
     if head.kind == "regress":
         out = [{"score": float(x)} for x in logits[:, 0]]
     else:
@@ -477,6 +386,37 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
                       options.both_orders)
 
 
-TASK = Task(kinds=("classify", "regress"), names=tuple(GLUE) + USER_TASKS, unit="training examples",
-            read=read, head=make_head, encode=encode, objective=lambda family, head, lm_coef: sequence_objective(
-                family, head.kind, lm_coef if family == "gpt2" else 0.0), predict=predict, score=score)
+def objective(family: str, head: HeadConfig, lm_coef: float = 0.0) -> Objective:
+    return sequence_objective(family, head.kind, lm_coef if family == "gpt2" else 0.0)
+
+
+def parse(given: PredictInputs) -> list:
+    """Texts and (text, text) pairs: the lines of given.file (a tab between the two texts of a pair), or
+    given.texts (two at a time with given.pairs)."""
+    if given.file:
+        lines = Path(given.file).read_text(encoding="utf-8").splitlines()
+        rows = [tuple(line.split("\t")) if "\t" in line else line for line in lines if line.strip()]
+        bad = next((n for n, r in enumerate(rows, 1) if isinstance(r, tuple) and len(r) != 2), None)
+        if bad:
+            raise ValueError(f"{given.file} line {bad}: expected one text, or two separated by a tab")
+        return rows
+    if given.pairs and len(given.texts) % 2:
+        raise ValueError(f"--pairs takes texts two at a time; got {len(given.texts)}")
+    return list(zip(given.texts[::2], given.texts[1::2])) if given.pairs else list(given.texts)
+
+
+def line(given, prediction: dict) -> str:
+    """The text(s), then the label and its probability (classify) or the score (regress), tab-separated."""
+    r = prediction
+    what = f"{r['score']:.4f}" if "score" in r else f"{r['label']}\t{r['probabilities'][r['label']]:.4f}"
+    return "\t".join(given if isinstance(given, tuple) else (given,)) + "\t" + what
+
+
+# This module is a duolm.tasks.base.Task: the functions above and what follows (tasks/__init__ checks it).
+kinds: tuple[str, ...] = ("classify", "regress")
+names: tuple[str, ...] = tuple(GLUE) + USER_TASKS
+unit = "training examples"
+percent: tuple[str, ...] = ()
+route: str | None = "/v1/classify"
+head = make_head
+trained = list

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from duolm.metrics import squad_scores, squad_v2_scores
 from duolm.models.heads import HeadConfig
 from duolm.objectives import Objective
-from duolm.tasks.base import (MAX_QUERY, SPAN_MAX_LENGTH, STRIDE, Data, Files, Task, TokenRows, holdout, pad,
-                              run_model)
+from duolm.tasks.base import (MAX_QUERY, SPAN_MAX_LENGTH, STRIDE, Data, Files, PredictInputs, TokenRows,
+                              holdout, pad, run_model)
 from duolm.tokenizers import WordPiece
 
 # --- the reader -------------------------------------------------------------------------------------------
@@ -184,19 +184,18 @@ def span_features(questions: list[Question], tok: WordPiece, max_length: int = S
     out = SpanFeatures(pad_id=tok.pad_id)
     contexts: dict = {}
     for qi, q in enumerate(questions):
-        query = tok.encode(q.question).ids[1:-1]
+        query = tok.encode(q.question)[1:-1]
         if len(query) > max_query:
             query = query[:max_query]
             out.cut.append(qi)
         if q.context not in contexts:
-            enc = tok.encode(q.context)
+            enc = tok.encode_with_offsets(q.context)
             contexts[q.context] = (enc.ids[1:-1], enc.offsets[1:-1])
         ctx, offs = contexts[q.context]
         spans = windows(len(ctx), max_length - len(query) - 3, stride)
         owner = max_context_table(spans, len(ctx))
         head = [tok.cls_id] + query + [tok.sep_id]
-        a0 = q.starts[0] if q.starts else None
-        a1 = a0 + len(q.answers[0]) if q.starts else None
+        a0, a1 = (q.starts[0], q.starts[0] + len(q.answers[0])) if q.starts else (None, None)
         for si, (s, n) in enumerate(spans):
             out.ids.append(head + ctx[s:s + n] + [tok.sep_id])
             out.segment_ids.append([0] * len(head) + [1] * (n + 1))
@@ -329,6 +328,31 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("span", [], "squad", min(options.max_length or SPAN_MAX_LENGTH, block_size))
 
 
-TASK = Task(kinds=("span",), names=("squad",), unit="training questions", read=read, head=make_head,
-            encode=encode, objective=objective, predict=predict, score=score, percent=("exact_match", "f1"),
-            trained=lambda questions: [q for q in questions if q.answers or q.impossible])
+def answerable(questions: list[Question]) -> list[Question]:
+    """The questions trained on: those with an answer, and SQuAD v2.0's marked impossible."""
+    return [q for q in questions if q.answers or q.impossible]
+
+
+def parse(given: PredictInputs) -> list[tuple[str, str]]:
+    """(question, context) pairs: each of given.questions in the text of the given.context file."""
+    if not given.questions or not given.context:
+        raise ValueError("a question answerer needs --question (repeatable) and --context FILE")
+    context = Path(given.context).read_text(encoding="utf-8")
+    return [(q, context) for q in given.questions]
+
+
+def line(pair: tuple[str, str], prediction: dict) -> str:
+    """The question, the answer, its character span (or "(no answer)") and score."""
+    r = prediction
+    span = f"[{r['start']}:{r['end']}]" if r["start"] is not None else "(no answer)"
+    return f"{pair[0]}\t{r['answer']}\t{span}\t{r['score']:.3f}"
+
+
+# This module is a duolm.tasks.base.Task: the functions above and what follows (tasks/__init__ checks it).
+kinds: tuple[str, ...] = ("span",)
+names: tuple[str, ...] = ("squad",)
+unit = "training questions"
+percent: tuple[str, ...] = ("exact_match", "f1")
+route: str | None = "/v1/qa"
+head = make_head
+trained = answerable

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from duolm.metrics import entities, entity_scores, invalid_starts
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective
-from duolm.tasks.base import MAX_LENGTH, Data, Files, Task, TokenRows, holdout, pad, run_model
+from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, TokenRows, holdout, pad, run_model
 from duolm.tokenizers import WordPiece
 
 SCHEMES = ("IOB1", "IOB2", "IOBES")
@@ -44,7 +44,10 @@ def read_conll(path) -> list[Sentence]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    out, words, tags, doc, first, n_cols = [], [], [], 0, 0, None
+    out: list[Sentence] = []
+    words: list[str] = []
+    tags: list[str] = []
+    doc, first, n_cols = 0, 0, None
 
     def flush():
         if words:
@@ -84,7 +87,7 @@ def tag_scheme(sentences: list[Sentence], path="") -> str:
     prefixes, i_start = set(), False
     for s in sentences:
         prev = "O"
-        for t in s.tags:
+        for t in s.tags or ():
             if t != "O" and (t[:2] not in ("B-", "I-", "E-", "S-") or len(t) < 3):
                 raise ValueError(f"{s.where}: tag {t!r} is not O or B-/I-/E-/S-<type>: unknown tag scheme")
             prefixes.add(t[0])
@@ -97,10 +100,10 @@ def tag_scheme(sentences: list[Sentence], path="") -> str:
 
 def tag_labels(train: list[Sentence], dev: list[Sentence], path="") -> list[str]:
     """The tag set of the training sentences ("O" first); a dev tag not among them is an error."""
-    labels = sorted({t for s in train for t in s.tags}, key=lambda t: (t != "O", t[2:], t))
+    labels = sorted({t for s in train for t in s.tags or ()}, key=lambda t: (t != "O", t[2:], t))
     known = set(labels)
     for s in dev:
-        bad = [t for t in s.tags if t not in known]
+        bad = [t for t in s.tags or () if t not in known]
         if bad:
             raise ValueError(f"{s.where}: tag {bad[0]!r} was not seen in training (tags: {', '.join(labels)})")
     return labels
@@ -128,7 +131,7 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
         raise ValueError(f"task {name!r} has no dev set: give a dev file or a dev fraction")
     scheme = tag_scheme(train + dev)
     labels = head.labels if head is not None else tag_labels(train, dev)
-    repaired = sum(invalid_starts(s.tags) for s in train + dev) if scheme != "IOB1" else 0
+    repaired = sum(invalid_starts(s.tags or []) for s in train + dev) if scheme != "IOB1" else 0
     notes.append(f"tag scheme {scheme}" + (f"; {repaired} chunk(s) start with I- or E-, read as starts as conlleval "
                                            f"does" if repaired else ""))
     return Data(name.lower(), "tag", labels, ("f1", "precision", "recall"), train, {"": dev}, notes=notes)
@@ -140,12 +143,13 @@ def word_pieces(tok: WordPiece, words: list[str]) -> list[list[int]]:
     """The piece ids of each word (as tokenizing the words one by one; a word may give no piece, e.g. a
     control character)."""
     text = " ".join(words)
-    enc = tok.encode(text)
+    enc = tok.encode_with_offsets(text)
     bounds, pos = [], 0
     for w in words:
         bounds.append((pos, pos + len(w)))
         pos += len(w) + 1
-    out, j = [[] for _ in words], 0
+    out: list[list[int]] = [[] for _ in words]
+    j = 0
     for piece, (start, _) in zip(enc.ids[1:-1], enc.offsets[1:-1]):
         while bounds[j][1] <= start:
             j += 1
@@ -181,7 +185,9 @@ def tag_features(sentences: list[Sentence], tok: WordPiece, labels: list[str], m
     budget = max_length - 2
     out = TagFeatures([], [], [], tok.pad_id)
     for n, (s, words) in enumerate(zip(sentences, pieces)):
-        ids, lab, first = [], [], []
+        ids: list[int] = []
+        lab: list[int] = []
+        first: list[int] = []
         for w, p in enumerate(words):
             if p and len(ids) + len(p) <= budget:
                 first.append(len(ids) + 1)
@@ -191,7 +197,8 @@ def tag_features(sentences: list[Sentence], tok: WordPiece, labels: list[str], m
                 first.append(-1)
         if any(p and f < 0 for p, f in zip(words, first)):
             out.cut.append(n)
-        left, right = [], []
+        left: list[int] = []
+        right: list[int] = []
         if context == "document":
             left, right = _neighbours(sentences, pieces, n, budget - len(ids))
         shift = len(left)
@@ -207,7 +214,7 @@ def _neighbours(sentences, pieces, n, room) -> tuple[list, list]:
     doc = sentences[n].doc
     before = [p for k in range(n - 1, -1, -1) if sentences[k].doc == doc for p in _flat(pieces[k])[::-1]] \
         if n and sentences[n - 1].doc == doc else []
-    after = []
+    after: list[int] = []
     for k in range(n + 1, len(sentences)):
         if sentences[k].doc != doc or len(after) >= room:
             break
@@ -269,8 +276,8 @@ def score(model, tok, sentences, features=None, batch_size: int = 64) -> dict:
 
 def _words(tok: WordPiece, text: str) -> list[tuple[int, int]]:
     """Character spans of the words of `text` as BERT splits them (whitespace and punctuation)."""
-    enc = tok.encode(text)
-    spans = []
+    enc = tok.encode_with_offsets(text)
+    spans: list[tuple[int, int]] = []
     for i, (a, b) in zip(enc.ids[1:-1], enc.offsets[1:-1]):
         if spans and tok.inv[i].startswith("##"):
             spans[-1] = (spans[-1][0], b)
@@ -279,17 +286,17 @@ def _words(tok: WordPiece, text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def predict(model, tok, texts, batch_size: int = 64) -> list[list[dict]]:
-    """The entities of each text: {"type", "text", "start", "end" (characters), "score" (the mean probability
-    of its words' tags)}, words as BERT splits the text, chunks read by conlleval's rules."""
+def predict(model, tok, texts, batch_size: int = 64) -> list[dict]:
+    """The entities of each text, {"entities": [{"type", "text", "start", "end" (characters), "score" (the mean
+    probability of its words' tags)}]}, words as BERT splits the text, chunks read by conlleval's rules."""
     texts = list(texts)
     spans = [_words(tok, t) for t in texts]
     sentences = [Sentence([t[a:b] for a, b in sp], None) for t, sp in zip(texts, spans)]
     tags, probs = predict_tags(model, tok, sentences, batch_size=batch_size)
     out = []
     for text, sp, tg, pr in zip(texts, spans, tags, probs):
-        out.append([{"type": type_, "text": text[sp[i][0]:sp[j][1]], "start": sp[i][0], "end": sp[j][1],
-                     "score": sum(pr[i:j + 1]) / (j + 1 - i)} for type_, i, j in entities(tg)])
+        out.append({"entities": [{"type": type_, "text": text[sp[i][0]:sp[j][1]], "start": sp[i][0], "end": sp[j][1],
+                                  "score": sum(pr[i:j + 1]) / (j + 1 - i)} for type_, i, j in entities(tg)]})
     return out
 
 
@@ -299,5 +306,26 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
     return HeadConfig("tag", data.labels, data.name, min(options.max_length or MAX_LENGTH, block_size))
 
 
-TASK = Task(kinds=("tag",), names=("conll2003", "ner"), unit="training sentences", read=read,
-            head=make_head, encode=encode, objective=objective, predict=predict, score=score)
+def parse(given: PredictInputs) -> list[str]:
+    """Texts: the lines of given.file, or given.texts."""
+    if given.pairs:
+        raise ValueError("a tagger takes texts, not pairs")
+    if given.file:
+        return [line for line in Path(given.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return list(given.texts)
+
+
+def line(text: str, prediction: dict) -> str:
+    """The text, then each entity: its type, text, character span and score."""
+    return text + "\t" + "  ".join(f"{e['type']} {e['text']!r} [{e['start']}:{e['end']}] {e['score']:.3f}"
+                                   for e in prediction["entities"])
+
+
+# This module is a duolm.tasks.base.Task: the functions above and what follows (tasks/__init__ checks it).
+kinds: tuple[str, ...] = ("tag",)
+names: tuple[str, ...] = ("conll2003", "ner")
+unit = "training sentences"
+percent: tuple[str, ...] = ()
+route: str | None = "/v1/ner"
+head = make_head
+trained = list

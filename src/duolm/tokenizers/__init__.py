@@ -2,13 +2,14 @@
 from pathlib import Path
 from typing import Callable
 
+from .base import Tokenizer
 from .bpe import ByteLevelBPE
 from .wordpiece import WordPiece
 
-__all__ = ["ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
+__all__ = ["Tokenizer", "ByteLevelBPE", "WordPiece", "load_tokenizer", "train_tokenizer", "show_pieces"]
 
 
-def load_tokenizer(directory, required: bool = True):
+def load_tokenizer(directory, required: bool = True) -> Tokenizer | None:
     """The tokenizer saved in `directory`: vocab.json + merges.txt (or OpenAI's encoder.json +
     vocab.bpe, the same format) -> ByteLevelBPE, vocab.txt -> WordPiece. When the directory holds
     neither: an error, or None if not `required`."""
@@ -28,7 +29,7 @@ def load_tokenizer(directory, required: bool = True):
 
 
 def train_tokenizer(kind: str, files, vocab_size: int, min_frequency: int = 2, lowercase: bool = True,
-                    progress: Callable[[int, int], None] | None = None):
+                    progress: Callable[[int, int], None] | None = None) -> Tokenizer:
     """Train a "bpe" (byte-level BPE) or "wordpiece" tokenizer on text files, streamed line by line.
     progress(done, total) reports the tokens learned (merges), as ByteLevelBPE.train / WordPiece.train say;
     the library prints nothing (the CLI draws the bar)."""
@@ -55,5 +56,5 @@ def show_pieces(tok, text: str, allow_special: bool = False) -> tuple[list[int],
         ids = tok.encode(text, allowed_special="all" if allow_special else set(), disallowed_special=())
         raw = [tok.decode_bytes([i]) for i in ids]
         return ids, [b.decode() if b.decode(errors="replace") == b.decode(errors="ignore") else str(b) for b in raw]
-    ids = tok.encode(text, split_special_tokens=not allow_special).ids
-    return ids, [tok.inv[i] for i in ids]
+    ids = tok.encode(text, split_special_tokens=not allow_special)
+    return ids, tok.pieces(ids)

@@ -108,7 +108,7 @@ def _is_chinese(cp: int) -> bool:
 
 
 def _ranges(spec: str) -> frozenset:
-    out = set()
+    out: set[int] = set()
     for part in spec.split():
         a, _, b = part.partition("-")
         out.update(range(int(a, 16), int(b or a, 16) + 1))

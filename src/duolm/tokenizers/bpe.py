@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 from collections import Counter
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 import regex
 
@@ -95,7 +95,8 @@ def learn_merges(word_counts: dict[bytes, int], num_merges: int, min_frequency: 
             where.setdefault(p, set()).add(wi)
     heap = [(-c, p) for p, c in pair_count.items()]
     heapq.heapify(heap)
-    known, merges = set(tokens), []
+    known = set(tokens)
+    merges: list[tuple[bytes, bytes]] = []
     while heap and len(merges) < num_merges:
         c, pair = heapq.heappop(heap)
         if -c != pair_count.get(pair, 0):  # stale entry: the count dropped since it was pushed
@@ -198,10 +199,10 @@ def bpe_merge_long(piece: bytes, ranks: dict[bytes, int]) -> list[bytes]:
             e = nxt[i] = nxt[j]  # join part j into part i
             nxt[j] = m
             prv[e] = i
-            if e < n and (r2 := get(piece[i:nxt[e]])) is not None:
-                wait(r2, i, nxt[e])
-            if (h := prv[i]) >= 0 and (r2 := get(piece[h:e])) is not None:
-                wait(r2, h, e)
+            if e < n and (q := get(piece[i:nxt[e]])) is not None:
+                wait(q, i, nxt[e])
+            if (h := prv[i]) >= 0 and (q := get(piece[h:e])) is not None:
+                wait(q, h, e)
     out, i = [], 0
     while i < n:
         out.append(piece[i:nxt[i]])
@@ -215,6 +216,7 @@ class ByteLevelBPE:
     """GPT-2's byte-level BPE. Ids of ordinary tokens come from `encoder` (bytes -> id); merges are ranked
     by `ranks` (bytes -> distinct ranks, lower merges first; the same dict as `encoder` when ids follow
     merge order). Special tokens are only produced by `encode` when allowed."""
+    kind: ClassVar[str] = "bpe"
 
     def __init__(self, encoder: dict[bytes, int], special_tokens: dict[str, int],
                  ranks: dict[bytes, int] | None = None, merges: list[tuple[bytes, bytes]] | None = None):
@@ -370,6 +372,10 @@ class ByteLevelBPE:
         """Text of `ids`; bytes that are not valid UTF-8 (a token sequence cut mid-character) become U+FFFD."""
         return self.decode_bytes(ids).decode("utf-8", errors="replace")
 
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """Each id's token as vocab.json spells it (bytes as GPT-2's printable characters: " the" is "Ġthe")."""
+        return [token_str(self.decode_bytes([i])) for i in ids]
+
     # --- files (files.py reads and writes them) ---
 
     @classmethod
@@ -405,7 +411,8 @@ class ByteLevelBPE:
 
     def _derive_merges(self) -> list[tuple[bytes, bytes]]:
         """The merge that makes each multi-byte token: BPE on its bytes with only the lower ranks gives two parts."""
-        merges, lower = [], {}
+        merges: list[tuple[bytes, bytes]] = []
+        lower: dict[bytes, int] = {}
         for tok, rank in sorted(self._ranks.items(), key=lambda kv: kv[1]):
             if len(tok) > 1:
                 parts = bpe_merge(tok, lower)

@@ -81,7 +81,8 @@ def read_bpe(vocab_json, merges_txt, special_tokens: dict[str, int] | None):
         except KeyError:
             raise ValueError(f"{vocab_json}: token {tok!r} (id {i}) is not in GPT-2's byte alphabet; pass it "
                              "in special_tokens if it is a special token") from None
-    merges, ranks = [], {}
+    merges: list[tuple[bytes, bytes]] = []
+    ranks: dict[bytes, int] = {}
     with open(merges_txt, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -117,14 +118,14 @@ def read_bpe(vocab_json, merges_txt, special_tokens: dict[str, int] | None):
 
 def read_tiktoken(path) -> dict[bytes, int]:
     """{token bytes: rank} from a `.tiktoken` file (lines: base64 token, space, rank)."""
-    encoder = {}
+    encoder: dict[bytes, int] = {}
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                tok, rank = line.split()
-                rank = int(rank)
+                tok, number = line.split()
+                rank = int(number)
                 encoder[base64.b64decode(tok, validate=True)] = rank
             except ValueError:
                 raise ValueError(f"{path}: line {lineno}: expected '<base64 token> <rank>', got "

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from itertools import accumulate, islice
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, ClassVar, Iterable
 
 from .basic import WHITESPACE, basic_tokenize
 from .files import read_lowercase, read_vocab_txt, write_wordpiece
@@ -73,9 +73,13 @@ class Encoding:
     Each list is built on its first read (later reads return that same list): until then an
     Encoding holds tuples, which Python's garbage collector stops scanning, so keeping millions
     of encodings does not make every collection walk all their lists (it tripled the time of
-    [tok.encode(line) for line in lines]).
+    [tok.encode_with_offsets(line) for line in lines]).
     """
     __slots__ = ("_ids", "_offsets", "_n", "_m", "_segment_ids", "_special_mask")
+    _ids: tuple[int, ...] | list[int]                             # a tuple until the first read
+    _offsets: tuple[tuple[int, int], ...] | list[tuple[int, int]]
+    _segment_ids: list[int] | None
+    _special_mask: list[int] | None
 
     def __init__(self, ids: tuple, offsets: tuple, n_first: int):  # n_first: tokens of segment 0
         self._ids, self._offsets, self._n, self._m = ids, offsets, n_first, len(ids) - n_first
@@ -83,13 +87,13 @@ class Encoding:
 
     @property
     def ids(self) -> list[int]:
-        if type(self._ids) is tuple:
+        if isinstance(self._ids, tuple):
             self._ids = list(self._ids)
         return self._ids
 
     @property
     def offsets(self) -> list[tuple[int, int]]:
-        if type(self._offsets) is tuple:
+        if isinstance(self._offsets, tuple):
             self._offsets = list(self._offsets)
         return self._offsets
 
@@ -111,7 +115,7 @@ class Encoding:
             return NotImplemented
         return all(getattr(self, k) == getattr(other, k) for k in _ENCODING_FIELDS)
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]   # mutable lists: unhashable, as a list
 
     def __repr__(self):
         return "Encoding(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in _ENCODING_FIELDS) + ")"
@@ -125,6 +129,7 @@ class WordPiece:
 
     The word pieces of a text: special tokens typed in it become their ids (unless split_special_tokens),
     the rest goes through basic_tokenize, then wordpiece word by word."""
+    kind: ClassVar[str] = "wordpiece"
 
     def __init__(self, vocab: dict[str, int], lowercase: bool = True):
         missing = [s for s in SPECIALS if s not in vocab]
@@ -134,7 +139,8 @@ class WordPiece:
         self.lowercase = bool(lowercase)
         self.inv = {i: t for t, i in self.vocab.items()}
         self.pad_id, self.unk_id, self.cls_id, self.sep_id, self.mask_id = (self.vocab[s] for s in SPECIALS)
-        self.special_ids = frozenset(self.vocab[s] for s in SPECIALS)
+        self.special_tokens = {s: self.vocab[s] for s in SPECIALS}
+        self.special_ids = frozenset(self.special_tokens.values())
         self._max_piece = max(len(t) for t in self.vocab)
         self._chars: dict[str, tuple[int, str]] = {}  # basic_tokenize's memo (bounded by the alphabet)
         self._cache: dict[str, tuple] = {}  # word -> pieces
@@ -151,15 +157,20 @@ class WordPiece:
             self._cache[s] = ((self.vocab[s], 0, len(s)),)
 
     # ---- encode / decode -------------------------------------------------------------------------------
-    def encode(self, text: str, pair: str | None = None, max_length: int | None = None,
-               truncation: str = "longest_first", split_special_tokens: bool = False) -> Encoding:
+    def encode(self, text: str, split_special_tokens: bool = False) -> list[int]:
+        """[CLS] text's pieces [SEP], as HF's tokenizer.encode(text); a special token typed in the text is that
+        token unless split_special_tokens (then it is text). encode_with_offsets gives pairs, offsets, cuts."""
+        return [self.cls_id, *self._pieces(text, split_special_tokens)[0], self.sep_id]
+
+    def encode_with_offsets(self, text: str, pair: str | None = None, max_length: int | None = None,
+                            truncation: str = "longest_first", split_special_tokens: bool = False) -> Encoding:
         """[CLS] text [SEP] (pair [SEP]) with segment ids, offsets and special mask, as HF's
         tokenizer(text, pair, max_length=..., truncation=..., split_special_tokens=...).
         A special token typed in the text is that token unless split_special_tokens (then it is text)."""
         if truncation not in ("longest_first", "only_first", "only_second"):
             raise ValueError(f"truncation must be 'longest_first', 'only_first' or 'only_second', not {truncation!r}")
         a_ids, a_off = self._pieces(text, split_special_tokens)
-        b_ids, b_off = self._pieces(pair, split_special_tokens) if pair is not None else ((), ())
+        b_ids, b_off = self._pieces(pair, split_special_tokens) if pair is not None else ([], [])
         if max_length is not None:
             n_a, n_b = _truncated_lengths(len(a_ids), len(b_ids), pair is not None, max_length, truncation)
             a_ids, a_off, b_ids, b_off = a_ids[:n_a], a_off[:n_a], b_ids[:n_b], b_off[:n_b]
@@ -172,15 +183,12 @@ class WordPiece:
         """Word pieces of text as strings (no [CLS]/[SEP])."""
         return [self.inv[i] for i in self._pieces(text, split_special_tokens)[0]]
 
-    def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
         """Text of ids as HF's WordPiece decoder: pieces joined by spaces, "##" pieces glued on,
-        " ." " ," " ?" " !" glued to the word before; specials left out unless skip_special=False."""
-        out = []
-        for i in ids:
-            t = self.inv.get(int(i))
-            if t is None:
-                raise ValueError(f"token id {i} is outside the vocabulary (0..{len(self.inv) - 1})")
-            if skip_special and int(i) in self.special_ids:
+        " ." " ," " ?" " !" glued to the word before; specials left out when skip_special."""
+        out: list[str] = []
+        for t in self.pieces(ids):
+            if skip_special and t in self.special_tokens:
                 continue
             if out:
                 t = t[2:] if t.startswith("##") else " " + t
@@ -188,6 +196,16 @@ class WordPiece:
                     t = t.replace(dirty, clean)
             out.append(t)
         return "".join(out)
+
+    def pieces(self, ids: Iterable[int]) -> list[str]:
+        """Each id's token as vocab.txt spells it ("##s" for a continuation)."""
+        out = []
+        for i in ids:
+            t = self.inv.get(int(i))
+            if t is None:
+                raise ValueError(f"token id {i} is outside the vocabulary (0..{len(self.inv) - 1})")
+            out.append(t)
+        return out
 
     @staticmethod
     def safe_chunks(text: str, chunk_chars: int) -> list[str]:
@@ -212,18 +230,18 @@ class WordPiece:
         if text.isascii() and ("[" not in text or split_special_tokens) and not _ASCII_CONTROL.search(text):
             # split into [sep, word, sep, word, ..., sep]; a word starts where the text before it ends
             parts = _ASCII_SPLIT.split(text)
-            words = parts[1::2]
-            found = list(map(cache.get, words))
+            words: list = parts[1::2]
+            found: list = list(map(cache.get, words))
             if None in found:
                 lower = self.lowercase
                 found = [p if p is not None else self._lookup(w, w.lower() if lower else w)
                          for w, p in zip(words, found)]
-            ids = [i for p in found for i, _, _ in p]
+            ids: list[int] = [i for p in found for i, _, _ in p]
             starts = islice(accumulate(map(len, parts)), 0, None, 2)
-            offsets = [(s + a, s + b) for s, p in zip(starts, found) for _, a, b in p]
+            offsets: list[tuple[int, int]] = [(s + a, s + b) for s, p in zip(starts, found) for _, a, b in p]
             return ids, offsets
-        words: list = []
-        parts = _SPECIAL_SPLIT.split(text) if "[" in text and not split_special_tokens else (text,)
+        words = []
+        parts = _SPECIAL_SPLIT.split(text) if "[" in text and not split_special_tokens else [text]
         pos = 0
         for k, part in enumerate(parts):
             if k % 2:  # a special token typed in the text
@@ -231,8 +249,8 @@ class WordPiece:
             elif part:
                 self._words(part, pos, words)
             pos += len(part)
-        ids: list[int] = []
-        offsets: list[tuple[int, int]] = []
+        ids = []
+        offsets = []
         lower = self.lowercase
         for w, start, align in words:
             pieces = cache.get(w)

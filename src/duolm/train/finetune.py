@@ -21,7 +21,6 @@ from duolm import tasks
 from duolm.checkpoint import load, save
 from duolm.config import opt
 from duolm.fileio import write_json, write_text
-from duolm.models import GPT2
 from duolm.models.heads import HEAD_MODELS, attach_head
 from duolm.precision import resolve
 from duolm.runs import read_metrics, replace_folder
@@ -91,7 +90,7 @@ def load_pretrained(path, device="cpu"):
                          f"use it with `duolm predict` / `duolm evaluate`, or fine-tune its base model")
     if tok is None:
         raise ValueError(f"{path} has no tokenizer files (vocab.txt, or vocab.json + merges.txt) to encode the task")
-    return model, tok, "gpt2" if isinstance(model, GPT2) else "bert"
+    return model, tok, model.config.family
 
 
 # --- fine-tuning -------------------------------------------------------------------------------------
