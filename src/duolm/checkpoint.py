@@ -336,9 +336,10 @@ def _load_state(model, sd: dict, source: str, optional=()):
 
 # --- save --------------------------------------------------------------------------------------
 
-def save(model, path, tokenizer=None, format="duolm"):
+def save(model, path, tokenizer=None, format="duolm", state: dict | None = None):
     """Save `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads) and optionally its
-    tokenizer into directory `path`.
+    tokenizer into directory `path`; `state`: the state dict to write instead of model.state_dict() (a sharded
+    model's, gathered whole: duolm.train.parallel.full_state).
 
     format="duolm": config.json + model.safetensors + the tokenizer's files (see the module doc).
     format="hf": a directory transformers loads: config.json (GPT2LMHeadModel, BertModel, or
@@ -359,7 +360,8 @@ def save(model, path, tokenizer=None, format="duolm"):
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path}: exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach() for k, v in model.state_dict().items()}  # to CPU only after ties are found
+    sd = {k: v.detach() for k, v in (model.state_dict() if state is None else state).items()}  # to CPU only after
+    # ties are found
     if format == "duolm":
         config = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family,
                   "config": asdict(model.config)}

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from duolm import runs
 from duolm.checkpoint import load, save
@@ -36,6 +37,8 @@ from duolm.objectives import Objective
 from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
+from duolm.train.parallel import (PARALLEL, full_state, load_model_state, load_optimizer_state, no_sync, sharded,
+                                  wrap)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -60,6 +63,8 @@ class TrainConfig:
     keep_last: int = opt(3, "checkpoints kept (the newest)")
     seed: int = opt(0, "seed of the weights, the data order and dropout")
     compile: bool = opt(False, "torch.compile the model for training")
+    parallel: str = opt("ddp", "with several processes (torchrun): ddp (a replica each) or fsdp (FSDP2: parameters, "
+                        "gradients and optimizer state sharded over the processes)", choices=PARALLEL)
     precision: str = opt("auto", "arithmetic of training: bf16 autocast (fp32 weights, optimizer state and "
                          "losses) or fp32; auto: bf16 where the device computes it natively (CUDA, CPUs with "
                          "AVX512-BF16 or AMX), fp32 elsewhere", choices=TRAINING)
@@ -112,11 +117,11 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 # --- checkpoints ------------------------------------------------------------------------------
 
 def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer=None, keep_last: int = 3,
-                    best: dict | None = None, info: dict | None = None) -> Path:
+                    best: dict | None = None, info: dict | None = None, model_state: dict | None = None) -> Path:
     """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs (best, info: see
-    duolm.runs.save_checkpoint)."""
+    duolm.runs.save_checkpoint; model_state: a sharded model's state, gathered)."""
     def write(folder):
-        save(model, folder, tokenizer=tokenizer)
+        save(model, folder, tokenizer=tokenizer, state=model_state)
         try:
             with open(folder / TRAIN_STATE, "wb") as f:
                 torch.save(state, f)
@@ -132,7 +137,7 @@ def load_train_state(run_dir, model: nn.Module) -> dict | None:
     ckpt = runs.latest_checkpoint(run_dir)
     saved, _ = load(ckpt)
     try:
-        model.load_state_dict(saved.state_dict())
+        load_model_state(model, saved.state_dict())
     except RuntimeError as e:
         raise ValueError(f"{ckpt} does not fit this model (different config?): {e}") from None
     path = ckpt / TRAIN_STATE
@@ -195,15 +200,15 @@ def train_step(fwd: nn.Module, objective: Objective, optimizer, micros: list[dic
     total, n_tokens = {}, 0
     for i, m in enumerate(micros):
         # DDP averages gradients over ranks; losses are already divided by the global count, so undo it
-        sync = world == 1 or i == len(micros) - 1
-        with contextlib.nullcontext() if sync else fwd.no_sync():
+        with no_sync(getattr(fwd, "_orig_mod", fwd), sync=i == len(micros) - 1):   # (a compiled module's own)
             with autocast():
                 loss, metrics = objective.loss(objective.forward(fwd, m), m, norm)
             (loss * world).backward()
         _add(total, metrics)
         n_tokens += objective.tokens(m)
     total = _all_reduce({**total, "_tokens": n_tokens}, device)
-    grad_norm = float(nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf))
+    grad_norm = nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
+    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)   # (FSDP's shards)
     ok = math.isfinite(total["loss"]) and math.isfinite(grad_norm)
     if ok:
         optimizer.step()
@@ -248,7 +253,7 @@ def _resume(run_dir, model: nn.Module, optimizer, precision: str) -> _Progress:
     if manifest.get("precision", precision) != precision:
         raise ValueError(f"{run_dir} was trained in {manifest['precision']}; resuming it in {precision} would not "
                          f"continue it exactly: resume with precision {manifest['precision']}")
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(model, optimizer, state["optimizer"])
     return _Progress(state["step"], state["skipped"], state["tokens"], manifest.get("best"))
 
 
@@ -269,21 +274,26 @@ class _Run:
             sink(row)
 
     def validate(self, validate, step: int) -> dict:
-        metrics = validate(self.model, step)
+        metrics = validate(self.model, step)        # summed over ranks: every rank decides alike
         value, best = metrics.get(self.cfg.select_metric), self.progress.best
-        if self.writer and value is not None and (best is None or (
+        if self.run_dir is not None and value is not None and (best is None or (
                 value > best["value"] if self.cfg.select_mode == "max" else value < best["value"])):
             self.progress.best = {"metric": self.cfg.select_metric, "value": value, "step": step}
-            runs.replace_folder(Path(self.run_dir) / "best", lambda d: save(self.model, d, tokenizer=self.tokenizer))
+            model_sd = full_state(self.model, self.optimizer)[0] if sharded(self.model) else None
+            if self.writer:
+                runs.replace_folder(Path(self.run_dir) / "best",
+                                    lambda d: save(self.model, d, tokenizer=self.tokenizer, state=model_sd))
         return metrics
 
     def checkpoint(self, step: int):
+        model_sd, optim_sd = full_state(self.model, self.optimizer) if sharded(self.model) else \
+            (None, self.optimizer.state_dict())           # (every rank gathers a sharded state; rank 0 keeps it)
         if self.writer:
             p = self.progress
-            state = {"step": step, "optimizer": self.optimizer.state_dict(), "skipped": p.skipped, "tokens": p.tokens,
+            state = {"step": step, "optimizer": optim_sd, "skipped": p.skipped, "tokens": p.tokens,
                      "seed": self.cfg.seed, "config": asdict(self.cfg)}
             save_checkpoint(self.run_dir, step, self.model, state, self.tokenizer, self.cfg.keep_last, p.best,
-                            {"precision": self.precision})
+                            {"precision": self.precision}, model_sd)
         if self.world > 1:
             dist.barrier()
 
@@ -326,8 +336,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     device = next(model.parameters()).device
     micro = _micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)
-    fwd = model if world == 1 else nn.parallel.DistributedDataParallel(
-        model, device_ids=[device] if device.type == "cuda" else None)
+    fwd = wrap(model, cfg.parallel, world, device)
     fwd = torch.compile(fwd) if cfg.compile else fwd
     params = [p for p in model.parameters() if p.requires_grad]
     with contextlib.ExitStack() as stack:
