@@ -22,7 +22,6 @@ from duolm.serve.metrics import Connections
 from duolm.serve.schemas import APIError
 
 
-
 def _answer(error: APIError) -> bytes:
     """`error` as a whole HTTP/1.1 response that closes the connection (written before any request is parsed)."""
     body = json.dumps(error.body()).encode()
