@@ -2,8 +2,10 @@
 
 `clients` asyncio clients on 127.0.0.1 take jobs from one list until it is empty: good requests (GPT-2:
 plain or streamed completions; BERT: embeddings and a fine-tuned head's /v1/classify), requests the client
-leaves at a random point (a stream after a few events, any other request after a few milliseconds), and
-malformed bodies. Every good request is one of a small pool (`Goods`), so what comes back can be compared
+leaves at a random point (a stream after a few events, any other request after a few milliseconds),
+malformed bodies, and, when asked, slow clients that send part of a request (its headers, or part of its body) and
+then nothing until the server closes the connection (the 408 of its --header-timeout or --body-timeout). Every good
+request is one of a small pool (`Goods`), so what comes back can be compared
 with the same request sent alone. Every request has a timeout and the whole soak a time limit.
 """
 from __future__ import annotations
@@ -98,13 +100,27 @@ class Job:
     stream: bool = False
     leave_after: float = 0  # > 0: the client leaves after this many stream events (or milliseconds)
     expect: int = 200      # the status a malformed body must get (or 429)
+    slow: bool = False     # body is the part of a request a slow client sends (and then nothing)
 
 
-def jobs(goods: Goods, n: int, seed: int, leave=0.2, bad=0.1) -> list[Job]:
-    """n jobs: ~`bad` malformed, ~`leave` left at a random point, the rest good (streamed or not for GPT-2)."""
+def _partial(rng, route: str, body: bytes) -> bytes:
+    """The part of a POST a slow client sends: its request line and one header, or its headers and half its body."""
+    head = f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1\r\n".encode()
+    if rng.random() < 0.5:
+        return head
+    return head + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body[:len(body) // 2]
+
+
+def jobs(goods: Goods, n: int, seed: int, leave=0.2, bad=0.1, slow=0.0) -> list[Job]:
+    """n jobs: ~`slow` slow clients, ~`bad` malformed, ~`leave` left at a random point, the rest good (streamed or
+    not for GPT-2)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        if slow and rng.random() < slow:
+            route, body = rng.choice(goods.good)
+            out.append(Job(route, _partial(rng, route, json.dumps(body).encode()), None, expect=408, slow=True))
+            continue
         u = rng.random()
         if u < bad:
             route, body, expect = rng.choice(goods.bad)
@@ -159,8 +175,25 @@ def same(a, b) -> bool:
                for x, y in zip(a, b))
 
 
+async def stall(url: str, partial: bytes, timeout: float = 60) -> tuple[bytes, float]:
+    """A slow client: sends `partial` on a new connection and nothing more; (what the server sent until it closed
+    the connection, the seconds until then). Waits `timeout` seconds at most."""
+    host, port = url.rsplit("/", 1)[1].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(partial)
+    t0 = time.perf_counter()
+    try:
+        data = await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+    return data, time.perf_counter() - t0
+
+
 async def _send(c: httpx.AsyncClient, url: str, job: Job) -> Outcome:
     t0 = time.perf_counter()
+    if job.slow:
+        data, seconds = await stall(url, job.body)
+        return Outcome(job, int(data.split()[1]) if data.startswith(b"HTTP/1.1 ") else None, seconds)
     headers = {"Content-Type": "application/json"}
     if job.stream:
         text, reason, events = "", None, 0
@@ -206,9 +239,10 @@ async def _run(url: str, todo: list[Job], clients: int, time_limit: float) -> li
     return outcomes
 
 
-def soak(url: str, goods: Goods, n: int, clients: int = 32, seed: int = 0, time_limit: float = 600) -> list[Outcome]:
-    """n jobs (see jobs()) sent by `clients` concurrent clients; their outcomes."""
-    return asyncio.run(_run(url, jobs(goods, n, seed), clients, time_limit))
+def soak(url: str, goods: Goods, n: int, clients: int = 32, seed: int = 0, time_limit: float = 600,
+         slow: float = 0.0) -> list[Outcome]:
+    """n jobs (see jobs(); `slow`: the share of slow clients) sent by `clients` concurrent clients; their outcomes."""
+    return asyncio.run(_run(url, jobs(goods, n, seed, slow=slow), clients, time_limit))
 
 
 def alone(url: str, goods: Goods) -> list:
@@ -232,13 +266,29 @@ def rss_kb(pid: int) -> int:
     raise ValueError(f"/proc/{pid}/status has no VmRSS")
 
 
+def open_fds(pid: int) -> int:
+    """How many file descriptors the process has open."""
+    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def fds_back(pid: int, count: int, timeout: float = 10) -> int:
+    """The process's open file descriptors once they are back to `count` or fewer (a socket the client closed
+    goes when the server reads its end), or after `timeout` seconds, for the caller to fail on."""
+    deadline = time.monotonic() + timeout
+    while open_fds(pid) > count and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return open_fds(pid)
+
+
 def settled(url: str, timeout: float = 30) -> dict:
-    """GET /metrics once nothing is in flight, running or waiting (a left client's rows leave at the next
-    step; the bound only prevents a hang, and then the last metrics are returned for the caller to fail on)."""
+    """GET /metrics once nothing is in flight, running or waiting, and no connection is open but the scrape's (a
+    left client's rows leave at the next step, its connection when the server reads its end; the bound only prevents
+    a hang, and then the last metrics are returned for the caller to fail on)."""
     deadline = time.monotonic() + timeout
     while True:
         m = httpx.get(url + "/metrics?format=json", timeout=10).json()
-        if (m["in_flight"], m["running"], m["queue_depth"]) == (0, 0, 0) or time.monotonic() > deadline:
+        if (m["in_flight"], m["running"], m["queue_depth"], m["connections"]) == (0, 0, 0, 1) or \
+                time.monotonic() > deadline:
             return m
         time.sleep(0.05)
 

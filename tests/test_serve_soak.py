@@ -1,9 +1,11 @@
 """A bounded soak of `duolm serve` on 127.0.0.1 (tests/soak.py sends it; `benchmarks/serve.py --soak N` is the
 longer version): 1,000 requests from 32 clients to a server with --max-concurrency 8, mixed plain and streamed,
-~20% left by their client at a random point, ~10% malformed; capacity 8 + 24 waiting, so a 429 comes only
-while a left request still holds its place. Only 200 / 400 / 413 / 429 come back; afterwards
-/health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up, and every
-complete answer equals the same request sent alone. The same for BERT's routes (embeddings, a fine-tuned head)."""
+~20% left by their client at a random point, ~10% malformed, ~5% slow clients that send part of a request and
+then nothing (408 after the 2 s --header-timeout / --body-timeout); capacity 8 + 24 waiting, so a 429 comes only
+while a left request still holds its place. Only 200 / 400 / 408 / 413 / 429 come back; afterwards
+/health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up and its open
+file descriptors are back to their count then, and every complete answer equals the same request sent alone.
+The same for BERT's routes (embeddings, a fine-tuned head)."""
 import pytest
 
 pytest.importorskip("fastapi")
@@ -14,7 +16,9 @@ import soak  # noqa: E402
 from test_serve_e2e import server  # noqa: E402
 
 N, WARMUP, CLIENTS = 1000, 200, 32
-ARGS = ["--max-concurrency", "8", "--max-queue", "24", "--max-body-bytes", str(soak.MAX_BODY)]
+ARGS = ["--max-concurrency", "8", "--max-queue", "24", "--max-body-bytes", str(soak.MAX_BODY),
+        "--header-timeout", "2", "--body-timeout", "2"]
+SLOW = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -26,22 +30,27 @@ def _soak(model_dir, goods, log):
     """Runs the warm-up and the soak on one server; checks what every soak test checks; returns the soak's
     outcomes and the metrics before and after it."""
     with server(model_dir, log, *ARGS) as (url, proc):
-        soak.soak(url, goods, WARMUP, CLIENTS, seed=1)
+        soak.soak(url, goods, WARMUP, CLIENTS, seed=1, slow=SLOW)
         before = soak.settled(url)
-        rss_before = soak.rss_kb(proc.pid)
-        outcomes = soak.soak(url, goods, N, CLIENTS, seed=2)
+        rss_before, fds_before = soak.rss_kb(proc.pid), soak.open_fds(proc.pid)
+        outcomes = soak.soak(url, goods, N, CLIENTS, seed=2, slow=SLOW)
         metrics = soak.settled(url)
-        rss_after = soak.rss_kb(proc.pid)
+        rss_after, fds_after = soak.rss_kb(proc.pid), soak.fds_back(proc.pid, fds_before)
         assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok"}
         reference = soak.alone(url, goods)
     assert "Traceback" not in log.read_text()                  # no request, left or malformed, was an error
     fig = soak.figures(outcomes)
-    print(f"\n{model_dir.name}: {fig.line()}; RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB")
-    assert fig.requests == N and set(fig.statuses) <= {200, 400, 413, 429, "left"}, fig.statuses
+    print(f"\n{model_dir.name}: {fig.line()}; RSS {rss_before / 1024:.1f} -> {rss_after / 1024:.1f} MiB; "
+          f"file descriptors {fds_before} -> {fds_after}")
+    assert fig.requests == N and set(fig.statuses) <= {200, 400, 408, 413, 429, "left"}, fig.statuses
     assert (metrics["in_flight"], metrics["running"], metrics["queue_depth"]) == (0, 0, 0), metrics
     assert rss_after < 1.05 * rss_before, (rss_before, rss_after)
+    assert fds_after <= fds_before, (fds_before, fds_after)
+    slow = sum(o.job.slow for o in outcomes)
+    timeouts = sum(metrics[k] - before[k] for k in ("header_timeouts", "body_timeouts"))
+    assert slow > 20 and timeouts == fig.statuses[408] == slow                  # every slow client, and only they
     for o in outcomes:
-        if o.job.key is None:                                   # malformed: its own error, or over capacity
+        if o.job.key is None:                       # malformed or slow: its own error (408), or over capacity
             assert o.status in (o.job.expect, 429), (o.status, o.job)
         elif o.answer is not None:
             assert soak.same(o.answer, reference[o.job.key]), (o.job, o.answer, reference[o.job.key])

@@ -9,6 +9,7 @@ FastAPI + uvicorn).
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import signal
@@ -31,6 +32,17 @@ class ServeConfig:
         "help": "sequences decoded together (one per prompt and choice) and requests served at once"})
     max_queue: int = field(default=64, metadata={"help": "requests that may wait beyond that; more get 429"})
     max_body_bytes: int = field(default=1 << 20, metadata={"help": "larger request bodies get 413"})
+    max_connections: int = field(default=512, metadata={
+        "help": "client connections open at most (each holds a file descriptor: keep it well under `ulimit -n`); "
+                "one more is answered 503 and closed at once"})
+    header_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a client has to send a request's headers (from connecting, or from the first byte of its "
+                "next request on a kept-alive connection); then 408 and the connection is closed"})
+    body_timeout: float = field(default=30.0, metadata={
+        "help": "seconds a client has to send a request's whole body once its headers are in; then 408 and the "
+                "connection is closed"})
+    keep_alive_timeout: float = field(default=5.0, metadata={
+        "help": "seconds an idle connection is kept open after a response"})
     drain_timeout: float = field(default=30.0, metadata={"help": "seconds in-flight requests get after SIGTERM"})
     model_name: str | None = field(default=None, metadata={"help": "the id clients send (default: the "
                                                                    "model directory's name)"})
@@ -51,8 +63,9 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
 
     On SIGTERM the server stops accepting connections, answers 503 to new requests on open ones,
     lets in-flight requests finish (up to drain_timeout seconds) and returns normally. Binding an
-    address other than loopback without an API key logs a warning. While it serves, the thread
-    switch interval is 0.5 ms (restored when it returns)."""
+    address other than loopback without an API key logs a warning. What a client can hold is bounded:
+    max_connections open, header_timeout and body_timeout to send a request, keep_alive_timeout idle. While it
+    serves, the thread switch interval is 0.5 ms (restored when it returns)."""
     cfg = replace(config or ServeConfig(), **fields)
     try:
         import uvicorn
@@ -61,6 +74,7 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
     from duolm.checkpoint import load
     from duolm.serve.app import create_app
     from duolm.serve.encoders import read_pooling
+    from duolm.serve.protocol import LimitedH11Protocol
 
     model, tokenizer = load(model_dir, device=cfg.device)
     if tokenizer is None:
@@ -78,7 +92,11 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
             app.state.draining = True          # new requests on open connections get 503
             super().handle_exit(sig, frame)
 
-    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, timeout_graceful_shutdown=cfg.drain_timeout))
+    # uvicorn's h11 protocol, bounding the connections and the time to a request's headers (protocol.py)
+    http = functools.partial(LimitedH11Protocol, connections=app.state.connections, header_timeout=cfg.header_timeout)
+    server = Server(uvicorn.Config(app, host=cfg.host, port=cfg.port, http=http,
+                                   timeout_keep_alive=cfg.keep_alive_timeout,
+                                   timeout_graceful_shutdown=cfg.drain_timeout))
     # The decode thread and the event loop share the GIL, and torch releases it around every op:
     # with the default 5 ms switch interval a busy event loop makes each re-acquisition wait, and
     # a small model's step (hundreds of ops) waits at every op. 0.5 ms keeps both moving

@@ -5,14 +5,15 @@ gpt2.py, bert.py and heads.py (fine-tuned heads). Every route is mounted; one th
 naming the model and stays out of the OpenAPI docs: GET /openapi.json (and /docs) lists the routes
 this server answers, as a 404's message does.
 
-In front of the app (the `_Gate` middleware): bodies over `max_body_bytes` 413, and the metrics of
-every request. Then the dependencies (deps.py): while draining (SIGTERM) 503; with an API key,
+In front of the app (the `_Gate` middleware): bodies over `max_body_bytes` 413, bodies not in within `body_timeout`
+408, and the metrics of every request. Then the dependencies (deps.py): while draining (SIGTERM) 503; with an API key,
 `Authorization: Bearer KEY` on every route but /health (401 otherwise, compared in constant time); a
 route for another model 400; more than max_concurrency + max_queue requests in the server 429 with
 Retry-After. Inside: a bad field 400 naming it.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import asynccontextmanager
 
@@ -26,7 +27,7 @@ from duolm.precision import quantize, resolve
 from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
-from duolm.serve.metrics import Admission, Metrics
+from duolm.serve.metrics import Admission, Connections, Metrics
 from duolm.serve.scheduler import Scheduler
 from duolm.serve.schemas import APIError
 
@@ -39,15 +40,19 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
     opts = config or ServeConfig()
-    if opts.max_concurrency < 1 or opts.max_queue < 0:
-        raise ValueError(f"max_concurrency={opts.max_concurrency} must be >= 1 and max_queue={opts.max_queue} >= 0")
+    if opts.max_concurrency < 1 or opts.max_queue < 0 or opts.max_connections < 1:
+        raise ValueError(f"max_concurrency={opts.max_concurrency} and max_connections={opts.max_connections} must be "
+                         f">= 1 and max_queue={opts.max_queue} >= 0")
+    for timeout in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(opts, timeout) > 0:
+            raise ValueError(f"{timeout}={getattr(opts, timeout)} must be > 0 seconds")
     name = opts.model_name or "duolm"
     metrics = Metrics(name)
     quantize(model, resolve(opts.precision, opts.device, training=False))
     worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant)
               if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s))
-    admission = Admission(opts.max_concurrency + opts.max_queue)
-    metrics.watch(admission.stats, worker.stats)
+    admission, connections = Admission(opts.max_concurrency + opts.max_queue), Connections(opts.max_connections)
+    metrics.watch(admission.stats, connections.stats, worker.stats)
     s = Served(model, tokenizer, name, worker, admission, metrics, opts.api_key, pooling or Pooling())
 
     @asynccontextmanager
@@ -60,13 +65,15 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
 
     app = FastAPI(title="duolm", lifespan=lifespan)
     app.state.draining = False
+    app.state.connections = connections          # the HTTP protocol counts into it (protocol.py)
     guard = [Depends(s.accepting), Depends(s.authorized)]       # status.py guards its own: /health is open
     routers = [(status.router(s), []), (tokens.router(s), guard), (gpt2.router(s), guard), (bert.router(s), guard),
                (heads.router(s), guard)]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
     app.state.routes = [route for router, _ in routers for route in router.routes]
-    app.add_middleware(_Gate, routes=app.state.routes, metrics=s.metrics, max_body_bytes=opts.max_body_bytes)
+    app.add_middleware(_Gate, routes=app.state.routes, metrics=s.metrics, connections=connections,
+                       max_body_bytes=opts.max_body_bytes, body_timeout=opts.body_timeout)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(HTTPException, _http)
@@ -100,13 +107,19 @@ def served_routes(routes) -> list[str]:
 
 
 class _Gate:
-    """ASGI middleware: bodies over `max_body_bytes` 413 (before the app reads them), and the metrics
-    of every request, by route (a path of `routes`, else "other")."""
+    """ASGI middleware: every request's body read before the app runs, within `body_timeout` seconds of its headers
+    (else 408) and up to `max_body_bytes` (else 413, before the app reads it); and the metrics of every request, by
+    route (a path of `routes`, else "other").
 
-    def __init__(self, app, routes: list, metrics: Metrics, max_body_bytes: int):
-        self.app, self.metrics = app, metrics
+    The body's deadline is kept here, where the body is read, rather than in the HTTP protocol (protocol.py bounds the
+    headers): the 408 is then an answer like any other, counted by route; it closes the connection, whose unread
+    rest of the body would otherwise be taken for the next request."""
+
+    def __init__(self, app, routes: list, metrics: Metrics, connections: Connections, max_body_bytes: int,
+                 body_timeout: float):
+        self.app, self.metrics, self.connections = app, metrics, connections
         self.paths = {r.path for r in routes}
-        self.max_body = max_body_bytes
+        self.max_body, self.body_timeout = max_body_bytes, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -122,9 +135,7 @@ class _Gate:
             await send(msg)
 
         try:
-            error = None
-            if scope["method"] in ("POST", "PUT", "PATCH"):
-                error, receive = await self._read_body(scope, receive)
+            error, receive = await self._read_body(scope, receive)
             if error is not None:
                 await JSONResponse(error.body(), status_code=error.status, headers=error.headers)(scope, receive, send_)
             elif receive is None:
@@ -143,8 +154,15 @@ class _Gate:
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return too_big, receive
         chunks, size = [], 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                self.connections.body_timeouts += 1
+                return APIError(408, f"the request's body did not arrive within {self.body_timeout:g} s", None,
+                                "body_timeout", {"Connection": "close"}), receive
             if msg["type"] == "http.disconnect":
                 return None, None
             chunks.append(msg.get("body", b""))

@@ -34,6 +34,14 @@ STATS = {
     "in_flight": ("duolm:requests_in_flight", "gauge", "Requests admitted and not yet answered"),
     "capacity": ("duolm:requests_capacity", "gauge", "Requests admitted at most (max_concurrency + max_queue)"),
     "rejected": ("duolm:requests_rejected", "counter", "Requests refused with 429 (at capacity)"),
+    "connections": ("duolm:connections_open", "gauge", "Client connections open"),
+    "max_connections": ("duolm:connections_limit", "gauge", "Client connections open at most (max_connections)"),
+    "connections_refused": ("duolm:connections_refused", "counter",
+                            "Connections answered 503 and closed at once (max_connections open)"),
+    "header_timeouts": ("duolm:header_timeouts", "counter",
+                        "Connections closed (408) for not sending a request's headers within header_timeout"),
+    "body_timeouts": ("duolm:body_timeouts", "counter",
+                      "Requests answered 408 (and closed) for not sending their body within body_timeout"),
 }
 
 
@@ -58,6 +66,20 @@ class Admission:
     def stats(self) -> dict:
         return {"in_flight": self.active, "peak_in_flight": self.peak, "capacity": self.limit,
                 "rejected": self.rejected}
+
+
+class Connections(Admission):
+    """The server's client connections: at most `limit` open (enter() says no beyond, and counts it), and the
+    requests cut for being slow (the HTTP protocol and the gate count them)."""
+
+    def __init__(self, limit: int):
+        super().__init__(limit)
+        self.header_timeouts = self.body_timeouts = 0
+
+    def stats(self) -> dict:
+        return {"connections": self.active, "peak_connections": self.peak, "max_connections": self.limit,
+                "connections_refused": self.rejected, "header_timeouts": self.header_timeouts,
+                "body_timeouts": self.body_timeouts}
 
 
 class Metrics:
