@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import duolm
 from duolm.evaluation.choice import (encode_pair, hellaswag_doc, hellaswag_preprocess, item_metrics,
-                                     multiple_choice, read_items, score_pairs)
+                                     model_inputs, multiple_choice, read_items, score_inputs, score_pairs, span)
 from duolm.models import GPT2, GPT2Config
 
 BLOCK = 72
@@ -185,7 +185,7 @@ def test_scores_equal_lm_eval_local_completions_against_duolm_serve(trained, set
     api = {name: {"items": [_api_window(model, tok, item) for item in read_items(path)[1]]} for name, path in sets.items()}
     _assert_same(samples, api, rel=1e-4)
     differ = [(name, k) for name in sets for k, (a, b) in enumerate(zip(api[name]["items"], ours[name]["items"]))
-              if a["lls"] != b["lls"]]
+              if a["lls"] != pytest.approx(b["lls"], rel=1e-5)]
     assert differ == [("piqa", 22), ("hellaswag", 4)]   # the items longer than the window
 
 
@@ -257,20 +257,26 @@ def test_metrics_worked_example_and_lm_eval_pair_encoding(trained):
     assert encode_pair(tok, "", " hi") == ([tok.eot_id], tok.encode_ordinary(" hi"))
 
 
-def test_score_pairs_equals_one_full_forward_per_choice(trained):
-    """The shared-prefix path against the plain one: every (context, continuation) run alone, left-truncated."""
+def test_batched_shared_prefixes_equal_one_full_forward_per_choice(trained):
+    """The fast path against the plain one: items of different shared-prefix lengths (left-padded into one
+    cache), a truncated input, and an item with no shared prefix, against every (context, continuation) run
+    alone through the whole model, left-truncated as lm-eval cuts it."""
     model, tok, _, _ = trained
     long = tok.encode_ordinary("the cat sat on the mat " * 20)[:BLOCK + 10]
-    pairs = [(long, tok.encode_ordinary(" and then")), (long, tok.encode_ordinary(" a")),
-             (long[:30], tok.encode_ordinary(" slept all day long"))]
-    for group in (pairs, pairs[:2], pairs[1:]):
+    conts = [tok.encode_ordinary(t) for t in (" and then", " a", " slept all day long")]
+    groups = [[(long[:50], conts[0]), (long[:50], conts[1])], [(long[:20], conts[2]), (long[:20], conts[1])],
+              [(long, conts[0]), (long, conts[1]), (long[:30], conts[2])]]       # the last: cut differently
+    inputs = [model_inputs(g, BLOCK) for g in groups]
+    assert [x.shared for x in inputs] == [49, 19, 0] and span(inputs[:2]) <= BLOCK < span(inputs)
+    got = score_inputs(model, inputs[:2]) + score_inputs(model, inputs[2:])
+    for group, lls in zip(groups, got):
         want = []
         for ctx, cont in group:
             inp = (ctx + cont)[-(BLOCK + 1):]
             with torch.no_grad():
                 logp = torch.log_softmax(model(torch.tensor([inp[:-1]]))[0, -len(cont):].double(), -1)
             want.append(float(logp[torch.arange(len(cont)), torch.tensor(cont)].sum()))
-        assert score_pairs(model, group) == pytest.approx(want, rel=1e-5)
+        assert lls == pytest.approx(want, rel=1e-5)
 
 
 @pytest.mark.parametrize("line, error", [

@@ -20,6 +20,7 @@ smallest mean loss per token of the scored continuation.
 """
 from __future__ import annotations
 
+import copy
 import json
 import re
 from dataclasses import dataclass
@@ -127,47 +128,116 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return ctx, tokenizer.encode_ordinary(context + continuation)[len(ctx):]
 
 
-def score_pairs(model, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
-    """log P(continuation | context) of each (context ids, continuation ids). Each input is the last
-    block + 1 tokens of context + continuation less the last (lm-eval's left truncation); the tokens all
-    inputs begin with, up to the first scored position, run once and are shared through a KV cache (a
-    question's context), the rest of each input runs as one right-padded batch on top, the output layer
-    on the scored positions only."""
-    block = model.config.block_size
+@dataclass(frozen=True)
+class Inputs:
+    """One item's model inputs: per choice the tokens fed (context + continuation, left-truncated to the window,
+    less the last) and the continuation scored at their end; `shared`: how many leading tokens all inputs have
+    in common before the first scored position (run once, as the question's context)."""
+    seqs: tuple[tuple[int, ...], ...]
+    conts: tuple[tuple[int, ...], ...]
+    shared: int
+
+
+def model_inputs(pairs: list[tuple[list[int], list[int]]], block: int) -> Inputs:
+    """(context ids, continuation ids) pairs -> Inputs: each input the last block + 1 tokens of context +
+    continuation less the last, as lm-eval's `_loglikelihood_tokens` cuts them."""
     if any(not ctx or not cont or len(cont) > block for ctx, cont in pairs):
         raise ValueError(f"cannot score continuations of {[len(c) for _, c in pairs]} tokens after contexts of "
                          f"{[len(c) for c, _ in pairs]} in a {block}-token window")
-    seqs = [(ctx + cont)[-(block + 1):][:-1] for ctx, cont in pairs]
-    firsts = [len(s) - len(cont) for s, (_, cont) in zip(seqs, pairs)]      # each one's first scored position
+    seqs = [tuple((ctx + cont)[-(block + 1):][:-1]) for ctx, cont in pairs]
+    first = min(len(s) - len(cont) for s, (_, cont) in zip(seqs, pairs))      # the first scored position
     shared = 0
-    while shared < min(firsts) and len({s[shared] for s in seqs}) == 1:
+    while shared < first and len({s[shared] for s in seqs}) == 1:
         shared += 1
+    return Inputs(tuple(seqs), tuple(tuple(cont) for _, cont in pairs), shared)
+
+
+def span(batch: list[Inputs]) -> int:
+    """Positions a batch takes: its longest shared prefix (left-padded) + its longest rest (right-padded)."""
+    return max(x.shared for x in batch) + max(len(s) - x.shared for x in batch for s in x.seqs)
+
+
+def _prefix_cache(model, batch: list[Inputs], room: int) -> tuple[KVCache, torch.Tensor]:
+    """The items' shared prefixes, left-padded, run once into a KV cache with `room` more positions ->
+    (cache, real: (items, P) 1 where a prefix token is real)."""
     device = model.wte.weight.device
-    rest = max(len(s) for s in seqs) - shared
-    idx = torch.zeros(len(seqs), rest, dtype=torch.long)
-    for j, s in enumerate(seqs):
-        idx[j, :len(s) - shared] = torch.tensor(s[shared:])
+    P = max(x.shared for x in batch)
+    pre = torch.zeros(len(batch), P, dtype=torch.long)
+    real = torch.zeros(len(batch), P, dtype=torch.long)
+    for k, x in enumerate(batch):
+        if x.shared:
+            pre[k, P - x.shared:] = torch.tensor(x.seqs[0][:x.shared])
+            real[k, P - x.shared:] = 1
+    cache = KVCache(model.config, len(batch), P + room, device=device, dtype=model.wte.weight.dtype)
+    model.hidden(pre.to(device), attention_mask=real.to(device), cache=cache)
+    return cache, real
+
+
+def score_inputs(model, batch: list[Inputs]) -> list[list[float]]:
+    """log P(continuation | context) for every choice of every item in `batch` (span(batch) <= block_size).
+    The items' shared prefixes run once, left-padded into one forward that fills a KV cache (_prefix_cache);
+    the rest of every input runs on top, the rows sorted by length and 2 x items at a time, right-padded, each
+    with a copy of its item's cache rows (positions count real tokens only, so padding changes nothing); the
+    output layer runs on the scored positions only."""
+    device = model.wte.weight.device
+    P = max(x.shared for x in batch)
+    owner = [k for k, x in enumerate(batch) for _ in x.seqs]
+    rest = [s[x.shared:] for x in batch for s in x.seqs]
+    conts = [c for x in batch for c in x.conts]
+    lls = [0.0] * len(rest)
+    order = sorted(range(len(rest)), key=lambda r: len(rest[r]))
     with torch.inference_mode():
-        cache = None
-        if shared:
-            cache = KVCache(model.config, 1, shared + rest, device=device, dtype=model.wte.weight.dtype)
-            model.hidden(torch.tensor([seqs[0][:shared]], device=device), cache=cache)
-            cache.reorder(torch.zeros(len(seqs), dtype=torch.long))
-        h = model.hidden(idx.to(device), cache=cache)
-        rows = [(j, p - shared) for j, (s, f) in enumerate(zip(seqs, firsts)) for p in range(f, len(s))]
-        targets = [t for _, cont in pairs for t in cont]
-        nll = token_nll(model, h[[r for r, _ in rows], [p for _, p in rows]], torch.tensor(targets, device=device))
-    sums, k = [], 0
-    for _, cont in pairs:
-        sums.append(-float(nll[k:k + len(cont)].sum()))
-        k += len(cont)
-    return sums
+        cache, real = _prefix_cache(model, batch, span(batch) - P) if P else (None, None)
+        for start in range(0, len(order), 2 * len(batch)):
+            rows = order[start:start + 2 * len(batch)]
+            R = max(len(rest[r]) for r in rows)
+            idx = torch.zeros(len(rows), R, dtype=torch.long)
+            for i, r in enumerate(rows):
+                idx[i, :len(rest[r])] = torch.tensor(rest[r])
+            sub = mask = None
+            if P:
+                sub = copy.copy(cache)
+                sub.reorder(torch.tensor([owner[r] for r in rows]))
+                mask = torch.cat([real[[owner[r] for r in rows]], torch.ones(len(rows), R, dtype=torch.long)], 1)
+                mask = mask.to(device)
+            h = model.hidden(idx.to(device), attention_mask=mask, cache=sub)
+            at = [(i, p) for i, r in enumerate(rows) for p in range(len(rest[r]) - len(conts[r]), len(rest[r]))]
+            targets = torch.tensor([t for r in rows for t in conts[r]], device=device)
+            nll = token_nll(model, h[[i for i, _ in at], [p for _, p in at]], targets).tolist()
+            k = 0
+            for r in rows:
+                lls[r] = -sum(nll[k:k + len(conts[r])])
+                k += len(conts[r])
+    out: list[list[float]] = [[] for _ in batch]
+    for r, k in enumerate(owner):
+        out[k].append(lls[r])
+    return out
 
 
-def score_item(model, tokenizer, item: Item) -> tuple[list[float], list[int]]:
-    """(log-probability of each choice's continuation, its number of tokens) for one item."""
-    pairs = [encode_pair(tokenizer, ctx, cont) for ctx, cont in item.pairs]
-    return score_pairs(model, pairs), [len(cont) for _, cont in pairs]
+def score_pairs(model, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """log P(continuation | context) of each (context ids, continuation ids) of one item."""
+    return score_inputs(model, [model_inputs(pairs, model.config.block_size)])[0]
+
+
+def score_items(model, tokenizer, items: list[Item], batch_size: int = 8,
+                on_batch=None) -> list[tuple[list[float], list[int]]]:
+    """Each item's (log-probabilities of its choices, their numbers of tokens); items go up to `batch_size` to a forward, in order of length,
+    as many as the window takes side by side (span). on_batch(items done) follows each forward."""
+    block = model.config.block_size
+    inputs = [model_inputs([encode_pair(tokenizer, *p) for p in item.pairs], block) for item in items]
+    order = sorted(range(len(inputs)), key=lambda k: max(len(s) for s in inputs[k].seqs))
+    out: list = [None] * len(inputs)
+    batch: list[int] = []
+    for k in order + [None]:
+        if batch and (k is None or len(batch) == batch_size or span([inputs[j] for j in batch + [k]]) > block):
+            for j, lls in zip(batch, score_inputs(model, [inputs[j] for j in batch])):
+                out[j] = (lls, [len(c) for c in inputs[j].conts])
+            if on_batch is not None:
+                on_batch(sum(x is not None for x in out))
+            batch = []
+        if k is not None:
+            batch.append(k)
+    return out
 
 
 # --- metrics -------------------------------------------------------------------------------------------
@@ -212,13 +282,10 @@ def multiple_choice(model, tokenizer, data, opts: EvalOptions | None = None, on_
     form, items = read_items(data, forms) if not isinstance(data, list) else ("items", data)
     items = items[:opts.max_examples]
     model = getattr(model, "_orig_mod", model)
-    records = []
-    for item in items:
-        lls, tokens = score_item(model, tokenizer, item)
-        records.append({"gold": item.gold, "lls": lls, "chars": list(item.chars), "tokens": tokens,
-                        **item_metrics(lls, list(item.chars), tokens, item.gold)})
-        if on_progress is not None:
-            on_progress(len(records), len(items), {"acc_norm": round(mean_metrics(records)["acc_norm"], 4)})
+    scores = score_items(model, tokenizer, items, opts.batch_size,
+                         None if on_progress is None else lambda done: on_progress(done, len(items), {}))
+    records = [{"gold": item.gold, "lls": lls, "chars": list(item.chars), "tokens": tokens,
+                **item_metrics(lls, list(item.chars), tokens, item.gold)} for item, (lls, tokens) in zip(items, scores)]
     schema = " (schema form: of the filled-in context, as lm-eval's doc_to_choice)" if form == "schema" else ""
     return {"task": task, **mean_metrics(records), "items": records,
             "protocol": PROTOCOL.format(schema=schema, block=model.config.block_size, n=len(records))}
