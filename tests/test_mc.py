@@ -35,12 +35,7 @@ YAML = {
 METRICS = "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")         # tiny models: a second thread only adds waits
 
 
 def _hellaswag_docs(data_dir, n=N) -> list[dict]:
