@@ -1,6 +1,7 @@
 """duolm's zero-shot scoring against the plain transformers loops people write, same model, same text.
 
-    .venv/bin/python benchmarks/eval.py                       # both cases, 2 rounds each
+    .venv/bin/python benchmarks/eval.py                       # perplexity and lambada, 2 rounds each
+    .venv/bin/python benchmarks/eval.py --cases mc            # multiple choice against lm-evaluation-harness
     .venv/bin/python benchmarks/eval.py --rounds 3 --cases lambada
 
 GPT-2 124M with random weights (the shapes are what costs time), saved by duolm in HF format and
@@ -16,6 +17,11 @@ report the medians and their ratio. Both sides' numbers are checked to agree.
               tokenizes each passage, runs the model and reads the target rows of the logits. duolm:
               lambada_scores (examples batched by length, output layer on the target rows only).
               Unit: passages / s.
+  mc          --mc-items ARC-Easy test questions (4 choices each, llm-foundry's form). lm-evaluation-harness:
+              its HFLM (`lm_eval --model hf`, in process) on the same HF export, loglikelihood of the
+              (query, " " + choice) requests, --mc-batch requests per forward. duolm: multiple_choice (the
+              query once through the KV cache, the choices as one batch on top). Unit: questions / s; acc
+              and acc_norm checked equal item for item.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import torch
 
 import duolm
 from duolm.evaluation import detokenize, score_stream
+from duolm.evaluation.choice import item_metrics, multiple_choice, read_items
 from duolm.evaluation.readers import lambada_examples
 from duolm.evaluation.tasks import lambada_scores
 from duolm.models import GPT2, GPT2Config
@@ -89,7 +96,7 @@ def timed(fn):
     return time.perf_counter() - t0, out
 
 
-def interleaved(name, unit, count, ours, theirs, rounds, check):
+def interleaved(name, unit, count, ours, theirs, rounds, check, reference="transformers"):
     t_ours, t_theirs = [], []
     for r in range(rounds):
         pair = [("ours", ours), ("theirs", theirs)]
@@ -98,19 +105,52 @@ def interleaved(name, unit, count, ours, theirs, rounds, check):
             (t_ours if side == "ours" else t_theirs).append(dt)
             check(side, out)
     a, b = statistics.median(t_ours), statistics.median(t_theirs)
-    print(f"{name}: duolm {count / a:,.1f} {unit}/s, transformers {count / b:,.1f} {unit}/s, "
+    print(f"{name}: duolm {count / a:,.1f} {unit}/s, {reference} {count / b:,.1f} {unit}/s, "
           f"ratio {b / a:.2f}x  (medians of {rounds} rounds: {a:.1f} s vs {b:.1f} s)")
+
+
+def lm_eval_mc(lm, items):
+    """lm-evaluation-harness's HFLM on each item's (context, continuation) requests -> per-item (acc, acc_norm)."""
+    from lm_eval.api.instance import Instance
+
+    reqs = [Instance("loglikelihood", None, pair, k) for item in items for k, pair in enumerate(item.pairs)]
+    lls = iter(ll for ll, _ in lm.loglikelihood(reqs, disable_tqdm=True))
+    out = []
+    for item in items:
+        got = [next(lls) for _ in item.pairs]
+        out.append(tuple(item_metrics(got, list(item.chars), [1] * len(got), item.gold)[k] for k in ("acc", "acc_norm")))
+    return out
+
+
+def mc_case(model, tok, hf_dir, args):
+    from lm_eval.models.huggingface import HFLM
+
+    _, items = read_items(DATA / "mc" / "arc_easy.jsonl")
+    items = items[:args.mc_items]
+    lm = HFLM(pretrained=hf_dir, dtype="float32", batch_size=args.mc_batch, device="cpu")
+    ref = {}
+
+    def check(side, out):
+        if side == "ours":
+            out = [(r["acc"], r["acc_norm"]) for r in out["items"]]
+        assert ref.setdefault(side, out) == out and (len(ref) < 2 or ref["ours"] == ref["theirs"]), ref
+
+    interleaved("multiple choice (ARC-Easy, 4 choices)", "questions", len(items),
+                lambda: multiple_choice(model, tok, items), lambda: lm_eval_mc(lm, items), args.rounds, check,
+                "lm-evaluation-harness (hf)")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default="perplexity,lambada")
+    ap.add_argument("--cases", default="perplexity,lambada", help="perplexity, lambada, mc")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ppl-tokens", type=int, default=4096)
     ap.add_argument("--lambada-examples", type=int, default=64)
     ap.add_argument("--batch", type=int, default=4, help="duolm: windows per forward")
     ap.add_argument("--lambada-batch", type=int, default=16, help="duolm: passages per forward")
+    ap.add_argument("--mc-items", type=int, default=64)
+    ap.add_argument("--mc-batch", type=int, default=16, help="lm-evaluation-harness: requests per forward")
     args = ap.parse_args()
     if not DATA.is_dir():
         raise SystemExit(f"{DATA} is absent: the benchmark reads WikiText-2 and LAMBADA from it")
@@ -122,6 +162,8 @@ def main():
         duolm.save(model, d, tokenizer=tok, format="hf")
         hf = transformers.GPT2LMHeadModel.from_pretrained(d).eval()
         hf_tok = transformers.GPT2TokenizerFast.from_pretrained(d)
+        if "mc" in args.cases:
+            mc_case(model, tok, d, args)
     print(f"GPT-2 124M (random weights), {args.threads} threads, torch {torch.__version__}, "
           f"transformers {transformers.__version__}")
 

@@ -33,6 +33,9 @@ def add_options(parser, cls) -> None:
             flag = flag if not default else "--no-" + flag[2:]
             parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
                                 help=meta.get("help"))
+        elif typing.get_origin(kind) is list:                  # a repeated flag, each one adds an item
+            parser.add_argument(flag, dest=name, action="append", type=typing.get_args(kind)[0], default=None,
+                                help=meta.get("help"))
         else:
             parser.add_argument(flag, dest=name, type=kind, default=default, choices=meta.get("choices"),
                                 help=meta.get("help", "") + ("" if default is None else f" (default: {default})"))

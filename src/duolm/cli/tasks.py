@@ -149,7 +149,7 @@ def cmd_eval(args):
     from duolm.fileio import write_json, write_text
 
     if not ((args.task and args.data) or (args.suite and args.data_dir)):
-        raise ValueError("give --task TASK --data PATH, or --suite gpt2-paper --data-dir DIR")
+        raise ValueError("give --task TASK --data PATH, or --suite SUITE --data-dir DIR")
     model, tok = load(args.model)
     for_inference(model, args)
     opts = dataclasses.asdict(options(EvalOptions, args))
@@ -159,8 +159,11 @@ def cmd_eval(args):
             bar.update(done - bar.n)
             bar.set_postfix(metrics)
 
-        result = (run_suite(model, tok, args.data_dir, progress, **opts) if args.suite else
+        result = (run_suite(model, tok, args.data_dir, progress, args.suite, **opts) if args.suite else
                   evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
+    items = [{"task": t, **x} for t, r in result.get("results", {args.task: result}).items() for x in r.pop("items", [])]
+    if args.scores:                                # multiple choice: one line of scores per item
+        write_text(args.scores, "".join(json.dumps(x) + "\n" for x in items))
     table = markdown(result)
     if args.out:
         write_json(args.out, result)
@@ -178,7 +181,9 @@ def add_eval(sub):
     p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run)")
     p.add_argument("--task", choices=list(TASKS), help="one task, with --data")
     p.add_argument("--data", help="the task's file (for translate: either file of the aligned pair)")
-    p.add_argument("--suite", choices=["gpt2-paper"], help="every Table 3 task whose file is in --data-dir")
+    p.add_argument("--suite", choices=["gpt2-paper", "zero-shot-mc"],
+                   help="every Table 3 task (gpt2-paper) or multiple-choice set (zero-shot-mc) whose file is in --data-dir")
+    p.add_argument("--scores", help="multiple choice: write each item's log-probabilities and predictions here (jsonl)")
     p.add_argument("--data-dir", help="folder of the suite's files")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     p.add_argument("-o", "--out", help="write the result as JSON here and the markdown table beside it (.md)")

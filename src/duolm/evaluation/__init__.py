@@ -5,7 +5,8 @@
 
 detok: invertible de-tokenizers; perplexity: sliding windows, streamed and batched, normalisers;
 readers: the datasets' file formats; tasks: corpus perplexity, LAMBADA, CBT; prompted: summarize,
-translate, CoQA by generation; suite: the entry point, Table 3 and the paper's numbers.
+translate, CoQA by generation; choice: multiple choice as lm-evaluation-harness scores it (PIQA, ARC, COPA,
+WSC, HellaSwag); suite: the entry point, Table 3, the zero-shot-mc suite and the published numbers.
 """
 from duolm.evaluation.detok import detokenize, detokenize_words, retokenize
 from duolm.evaluation.perplexity import (bits_per_unit, count_words, encode_stream, perplexity, score_stream,

@@ -10,7 +10,7 @@ from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
-from duolm.evaluation import prompted, tasks
+from duolm.evaluation import choice, prompted, tasks
 from duolm.evaluation.tasks import EvalOptions, Progress
 from duolm.models import GPT2
 from duolm.tokenizers import ByteLevelBPE
@@ -23,6 +23,8 @@ TASKS = {
     "summarize": prompted.summarize,
     "translate": prompted.translate,
     "coqa": prompted.coqa,
+    "multiple-choice": choice.multiple_choice,
+    "hellaswag": partial(choice.multiple_choice, task="hellaswag"),
 }
 
 # Table 3 of "Language Models are Unsupervised Multitask Learners": (column, task, our metric key).
@@ -112,31 +114,37 @@ def evaluate_lm(model, tokenizer, task: str, data, on_progress: Progress | None 
     return out
 
 
-def find_suite_files(data_dir) -> dict[str, Path]:
-    """task -> file, for the Table 3 tasks whose file is in data_dir (see SUITE_FILES)."""
+# suite -> {row: (task, the file names it may have under --data-dir)}
+SUITES = {"gpt2-paper": {task: (task, names) for task, names in SUITE_FILES.items()}, "zero-shot-mc": choice.SUITE}
+
+
+def find_suite_files(data_dir, suite: str = "gpt2-paper") -> dict[str, Path]:
+    """row -> file, for the suite's rows whose file is in data_dir (see SUITES)."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such folder")
     found = {}
-    for task, names in SUITE_FILES.items():
+    for row, (_, names) in SUITES[suite].items():
         hit = next((data_dir / n for n in names if (data_dir / n).is_file()), None)
         if hit is not None:
-            found[task] = hit
+            found[row] = hit
     return found
 
 
-def run_suite(model, tokenizer, data_dir, on_progress=None, **options) -> dict:
-    """Every Table 3 task whose data is in data_dir -> {"results": {task: result}, "files": {task: path},
-    "model": size or None}. on_progress(task, done, total, metrics) follows each task."""
-    files = find_suite_files(data_dir)
+def run_suite(model, tokenizer, data_dir, on_progress=None, suite: str = "gpt2-paper", **options) -> dict:
+    """Every row of `suite` (gpt2-paper: Table 3; zero-shot-mc) whose data is in data_dir -> {"suite",
+    "results": {row: result}, "files": {row: path}, "model": size or None}. on_progress(row, done, total,
+    metrics) follows each row."""
+    files = find_suite_files(data_dir, suite)
     if not files:
         raise ValueError(f"{data_dir}: none of the suite's files is there (looked for "
-                         f"{', '.join(n for names in SUITE_FILES.values() for n in names)})")
+                         f"{', '.join(n for _, names in SUITES[suite].values() for n in names)})")
     results = {}
-    for task, path in files.items():
-        cb = None if on_progress is None else partial(on_progress, task)
-        results[task] = evaluate_lm(model, tokenizer, task, path, cb, **options)
-    return {"model": model_size(model), "files": {t: str(p) for t, p in files.items()}, "results": results}
+    for row, path in files.items():
+        cb = None if on_progress is None else partial(on_progress, row)
+        results[row] = evaluate_lm(model, tokenizer, SUITES[suite][row][0], path, cb, **options)
+    return {"suite": suite, "model": model_size(model), "files": {t: str(p) for t, p in files.items()},
+            "results": results}
 
 
 def table3_markdown(suite: dict) -> str:
@@ -161,6 +169,8 @@ METRICS = ("ppl", "ppl_token", "bpb", "bpc", "acc_last_token", "acc_last_word", 
 def markdown(result: dict) -> str:
     """A result as markdown: a suite's in Table 3's layout, one task's as a table of its metrics with
     the paper's number beside the one it reports; then the protocol line(s)."""
+    if result.get("suite") == "zero-shot-mc" or "acc_norm" in result:
+        return choice.markdown(result)
     if "results" in result:
         return table3_markdown(result) + "".join(f"\n\n{t}: {r['protocol']}" for t, r in result["results"].items())
     paper = result.get("paper") or {}

@@ -60,7 +60,7 @@ def plot_run(run_dir, panels=(("loss", "val_loss"),), log_scale: bool = False, o
                 ax.plot(*zip(*points), label=name.replace("_", " "), marker="o" if name.startswith("val") else None,
                         markersize=3)
         ax.set_xlabel("step")
-        ax.set_ylabel("loss")
+        ax.set_ylabel("loss" if any("loss" in name for name in metrics) else "accuracy")
         if log_scale:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)

@@ -23,6 +23,7 @@ from duolm.data import (
     load_meta,
     open_split,
 )
+from duolm.evaluation.choice import multiple_choice, read_items
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import CAUSAL_LM, MLM_NSP
 from duolm.precision import resolve
@@ -37,7 +38,7 @@ PLOTS = {"gpt2": (("loss", "val_loss"),), "bert": (("mlm_loss", "val_mlm_loss"),
 
 @dataclass
 class ModelConfig:
-    """What model to pretrain and how to build its batches; the CLI's flags are these fields."""
+    """What model to pretrain, how to build its batches and what to validate it on; the CLI's flags are these fields."""
     preset: str = opt("tiny", "size preset: tiny, gpt2, gpt2-medium, ..., bert-base, bert-large")
     block_size: int | None = opt(None, "sequence length (default: the preset's)")
     dropout: float | None = opt(None, "dropout (default: the preset's)")
@@ -52,6 +53,9 @@ class ModelConfig:
     max_predictions: int = opt(20, "bert: masked positions per sequence at most")
     short_seq_prob: float = opt(0.1, "bert: share of shorter sequences")
     dupe_factor: int = opt(1, "bert static masking: copies with different masks")
+    eval_mc: list[str] | None = opt(None, "gpt2: a multiple-choice jsonl (llm-foundry's forms or HellaSwag's) scored "
+                                          "at every validation, acc_norm logged as val_mc_<file name>_acc_norm; "
+                                          "repeat for more files")
 
 
 def setup_distributed(device: str | None = None, env=os.environ):
@@ -99,6 +103,24 @@ def build(family: str, data_dir, mc: ModelConfig, seed: int = 0):
     return BertForPreTraining(config), MLM_NSP, train_data, val_data, tok
 
 
+def mc_validator(validate, files, tokenizer):
+    """`validate` plus val_mc_<name>_acc_norm for each multiple-choice file: `duolm eval --task multiple-choice`'s
+    (or hellaswag's) acc_norm of the model as it is, in eval mode and fp32. The files are read here, once."""
+    sets = {Path(f).stem: read_items(f)[1] for f in files}
+
+    def with_mc(model, step):
+        out = validate(model, step)
+        was_training = model.training
+        model.eval()
+        try:
+            for name, items in sets.items():
+                out[f"val_mc_{name}_acc_norm"] = multiple_choice(model, tokenizer, items)["acc_norm"]
+        finally:
+            model.train(was_training)
+        return out
+    return with_mc
+
+
 def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = None,
              train_config: TrainConfig | None = None, *, resume: bool = False, device: str | None = None,
              on_start=None, on_log=None) -> dict:
@@ -116,10 +138,16 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
         if on_start is not None and rank == 0:
             from duolm.runs import read_manifest
             on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision)
-        result = train(model, objective, train_data, tc, run_dir, validate=loss_validator(objective, val_data, tc),
-                       tokenizer=tok, resume=resume, on_log=on_log)
+        validate = loss_validator(objective, val_data, tc)
+        if mc.eval_mc:
+            if family != "gpt2":
+                raise ValueError("--eval-mc scores a causal language model: pretrain gpt2")
+            validate = mc_validator(validate, mc.eval_mc, tok)
+        result = train(model, objective, train_data, tc, run_dir, validate=validate, tokenizer=tok, resume=resume,
+                       on_log=on_log)
         if rank == 0:
-            result["plot"] = plot_run(run_dir, PLOTS[family])
+            mc_plot = tuple(f"val_mc_{Path(f).stem}_acc_norm" for f in mc.eval_mc or ())
+            result["plot"] = plot_run(run_dir, PLOTS[family] + ((mc_plot,) if mc_plot else ()))
         return result
     finally:
         if dist.is_available() and dist.is_initialized():
