@@ -339,7 +339,7 @@ def _load_state(model, sd: dict, source: str, optional=()):
 def save(model, path, tokenizer=None, format="duolm", state: dict | None = None):
     """Save `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads) and optionally its
     tokenizer into directory `path`; `state`: the state dict to write instead of model.state_dict() (a sharded
-    model's, gathered whole: duolm.train.parallel.full_state).
+    model's, gathered whole: duolm.train.parallel.model_state).
 
     format="duolm": config.json + model.safetensors + the tokenizer's files (see the module doc).
     format="hf": a directory transformers loads: config.json (GPT2LMHeadModel, BertModel, or

@@ -190,9 +190,9 @@ def _int8_pack(q: torch.Tensor, scale: torch.Tensor):
     return torch.ops.quantized.linear_prepack(qw, None)
 
 
-# Without VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
-# (the kernel then uses 7-bit activations); the flags say whether the CPU has it
-_REDUCE_RANGE = not any(f in (_cpuinfo("flags") or "").split() for f in ("avx512_vnni", "avx_vnni", "amx_int8"))
+# Without AVX512-VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
+# (the kernel then takes 7-bit activations): what torch.cpu._is_vnni_supported() checks, read from the flags
+_REDUCE_RANGE = "avx512_vnni" not in (_cpuinfo("flags") or "").split()
 
 
 def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

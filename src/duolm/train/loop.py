@@ -37,8 +37,8 @@ from duolm.objectives import Objective
 from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
-from duolm.train.parallel import (PARALLEL, full_state, load_model_state, load_optimizer_state, no_sync, sharded,
-                                  wrap)
+from duolm.train.parallel import (PARALLEL, load_model_state, load_optimizer_state, model_state, no_sync,
+                                  optimizer_state, wrap)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -199,7 +199,7 @@ def train_step(fwd: nn.Module, objective: Objective, optimizer, micros: list[dic
     norm = _all_reduce(counts, device)          # predicted items in the whole step, all ranks
     total, n_tokens = {}, 0
     for i, m in enumerate(micros):
-        # DDP averages gradients over ranks; losses are already divided by the global count, so undo it
+        # DDP and FSDP average gradients over ranks; losses are already divided by the global count, so undo it
         with no_sync(getattr(fwd, "_orig_mod", fwd), sync=i == len(micros) - 1):   # (a compiled module's own)
             with autocast():
                 loss, metrics = objective.loss(objective.forward(fwd, m), m, norm)
@@ -279,15 +279,14 @@ class _Run:
         if self.run_dir is not None and value is not None and (best is None or (
                 value > best["value"] if self.cfg.select_mode == "max" else value < best["value"])):
             self.progress.best = {"metric": self.cfg.select_metric, "value": value, "step": step}
-            model_sd = full_state(self.model, self.optimizer)[0] if sharded(self.model) else None
+            model_sd = model_state(self.model)
             if self.writer:
                 runs.replace_folder(Path(self.run_dir) / "best",
                                     lambda d: save(self.model, d, tokenizer=self.tokenizer, state=model_sd))
         return metrics
 
     def checkpoint(self, step: int):
-        model_sd, optim_sd = full_state(self.model, self.optimizer) if sharded(self.model) else \
-            (None, self.optimizer.state_dict())           # (every rank gathers a sharded state; rank 0 keeps it)
+        model_sd, optim_sd = model_state(self.model), optimizer_state(self.model, self.optimizer)  # (every rank)
         if self.writer:
             p = self.progress
             state = {"step": step, "optimizer": optim_sd, "skipped": p.skipped, "tokens": p.tokens,

@@ -3,7 +3,7 @@
     fwd = wrap(model, "fsdp", world, device)   # FSDP2 over each transformer block, then the root: parameters,
                                                # gradients and optimizer state sharded over the processes
     with no_sync(fwd, sync=False): ...         # a micro-batch whose gradients are not reduced yet
-    model_sd, optim_sd = full_state(model, optimizer)   # every rank calls it; rank 0 holds the whole state
+    model_state(model), optimizer_state(model, optimizer)   # every rank calls them; rank 0 holds the whole state
 
 A sharded run's checkpoint is the same single-file model directory as a DDP run's (the full state gathered on
 rank 0), its optimizer state keyed by parameter name, so it resumes at any number of processes and under either
@@ -63,14 +63,20 @@ def sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def _options(**kw) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized(), **kw)
+def _gathered() -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
 
 
-def full_state(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """(model state dict, optimizer state dict) of a sharded model, gathered whole on rank 0 (the other ranks get
-    empty dicts; every rank must call it). The optimizer's state is keyed by parameter name."""
-    return get_model_state_dict(model, options=_options()), get_optimizer_state_dict(model, optimizer, options=_options())
+def model_state(model: nn.Module) -> dict | None:
+    """A sharded model's state dict gathered whole on rank 0 (the other ranks get an empty dict; every rank must
+    call it); None for a plain model, whose own state_dict() is whole."""
+    return get_model_state_dict(model, options=_gathered()) if sharded(model) else None
+
+
+def optimizer_state(model: nn.Module, optimizer) -> dict:
+    """The optimizer's state dict: a sharded model's gathered whole on rank 0 and keyed by parameter name (every
+    rank must call it), a plain model's as the optimizer gives it (keyed by position)."""
+    return get_optimizer_state_dict(model, optimizer, options=_gathered()) if sharded(model) else optimizer.state_dict()
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:
