@@ -402,6 +402,9 @@ def test_cli_generate_greedy_matches_library(gpt2_dir, capsys):
     assert got == expect
     # streaming prints the same text; bytes split across tokens never come out broken
     assert _run_cli(capsys, "generate", d, prompt, "--max-new-tokens", 12, "--temperature", 0, "--stream").out == expect
+    # the compiled static-shape step prints the same text, and its compile time
+    r = _run_cli(capsys, "generate", d, prompt, "--max-new-tokens", 12, "--temperature", 0, "--compile")
+    assert r.out == expect and "compiled the decode step in" in r.err
 
 
 def test_cli_generate_sampling_seed_stop_and_beams(gpt2_dir, capsys):

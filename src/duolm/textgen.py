@@ -99,7 +99,7 @@ class TextGeneration:
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, temperature: float = 1.0,
                   top_k=None, top_p=None, repetition_penalty: float = 1.0, num_beams: int = 1,
                   length_penalty: float = 1.0, stop=(), seed=None, truncation: str = "none",
-                  allow_special: bool = False) -> TextGeneration:
+                  allow_special: bool = False, compile: bool = False) -> TextGeneration:
     """Continue `prompt` with a GPT-2 model and its byte-level BPE tokenizer; text in, text out.
 
     The prompt is text: special tokens typed in it (e.g. "<|endoftext|>") stay text unless
@@ -108,7 +108,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
     ("none": a prompt longer than the window is an error). Generation stops at <|endoftext|> (not
     shown), a `stop` string (cut before it), max_new_tokens or a full window. num_beams > 1: beam
     search (deterministic; the text comes in one piece). seed: reproducible sampling (None: fresh).
-    Faster CPU decoding, same numbers: a model swapped by duolm.precision.quantize(model, "fp32")."""
+    Faster CPU decoding, same numbers: a model swapped by duolm.precision.quantize(model, "fp32").
+    compile: the static-shape decode step (duolm.generation.generate's compile=True)."""
     if not isinstance(model, GPT2):
         raise ValueError(f"generate_text needs a GPT-2 model, got {type(model).__name__} (for BERT use fill_mask)")
     if not isinstance(tokenizer, ByteLevelBPE):
@@ -143,7 +144,7 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
             g = torch.Generator(device=next(model.parameters()).device)
             g.seed() if seed is None else g.manual_seed(seed)
             gen = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           repetition_penalty=repetition_penalty, stop=stop_ids, generator=g)
+                           repetition_penalty=repetition_penalty, stop=stop_ids, generator=g, compile=compile)
             for (t,) in gen:
                 if t is not None and t != eot:
                     yield stream.feed(tokenizer.decode_bytes([t]))   # holds back split characters

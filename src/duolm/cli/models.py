@@ -140,7 +140,8 @@ def cmd_generate(args):
     gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                         num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
-                        seed=args.seed, truncation=args.truncate, allow_special=args.allow_special)
+                        seed=args.seed, truncation=args.truncate, allow_special=args.allow_special,
+                        compile=args.compile)
     if gen.truncated_from:
         print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
               file=sys.stderr)
@@ -150,6 +151,9 @@ def cmd_generate(args):
         if args.stream:
             sys.stdout.flush()
     print()
+    if args.compile:
+        from duolm.generation.static import decoder_of
+        print(f"duolm: compiled the decode step in {decoder_of(model).compile_s:.1f} s", file=sys.stderr)
     if gen.stop_reason == StopReason.CONTEXT:
         print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
 
@@ -175,6 +179,9 @@ def add_generate(sub):
                    help="left: drop the oldest prompt tokens so prompt + new tokens fit the context window")
     p.add_argument("--allow-special", action="store_true",
                    help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through one static-shape step compiled with torch.compile (a CUDA graph on GPUs); "
+                        "pays a compilation first (printed), see docs/benchmarks.md for when it pays")
     add_precision(p)
     p.set_defaults(func=cmd_generate)
 

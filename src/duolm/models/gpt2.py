@@ -162,14 +162,18 @@ class Attention(nn.Module):
 
     def forward(self, x, mask=None, kv=None):
         """x (B, T, C). mask: None (plain causal) or bool (B|1, 1, T, past + T), True = may attend.
-        kv: None or (k_buf, v_buf, past) of this layer's cache; the new keys/values go in at past."""
+        kv: None or (k_buf, v_buf, past) of this layer's cache; the new keys/values go in at past (an int), or at
+        column `past` (a (1,) tensor: a static step, which attends over the whole buffer under its mask)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, nh, T, hd) as strided views; SDPA takes them without copies.
         q = q.view(B, T, self.n_head, -1).transpose(1, 2)
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)
-        if kv is not None:
+        if kv is not None and isinstance(kv[2], torch.Tensor):   # a static step (GPT2.step)
+            k_buf, v_buf, at = kv
+            k, v = k_buf.index_copy_(2, at, k), v_buf.index_copy_(2, at, v)   # the whole cache; the mask hides the rest
+        elif kv is not None:
             k_buf, v_buf, past = kv
             k_buf[:, :, past:past + T] = k
             v_buf[:, :, past:past + T] = v
@@ -362,6 +366,18 @@ class GPT2(nn.Module):
         padded_vocab_size floats (use .reshape or .view(-1, V), not a flat .view); the padding rows of
         wte are zero and are sliced off, so they never show."""
         return self.lm_head(h)[..., :self.config.vocab_size]
+
+    def step(self, idx, pos, keys, cache, at):
+        """One new position of every row, in shapes that never change (what a compiled step or a CUDA graph
+        replays): idx (B, 1) the new ids, pos (B, 1) their positions (the real tokens before each), at (1,) the
+        cache column they are written to, keys (B, L) bool the columns each row attends to (its real tokens, the
+        new one included) -> logits (B, 1, vocab_size). The cache's whole length L is attended under that mask;
+        nothing is checked (no host sync): duolm.generation.static keeps the invariants."""
+        x = self.wte(idx) + self.wpe(pos)
+        mask = keys[:, None, None, :]                                          # (B, 1, 1, L)
+        for i, block in enumerate(self.h):
+            x = block(x, mask, (cache.k[i], cache.v[i], at))
+        return self.head(self.ln_f(x))
 
     def forward(self, idx, attention_mask=None, cache=None):
         """idx (B, T) -> logits (B, T, vocab_size). See hidden() for the mask and cache."""

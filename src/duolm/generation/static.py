@@ -1,0 +1,157 @@
+"""The decode step in shapes that never change, compiled once and, on a GPU, replayed as one CUDA graph.
+
+Decoding one token of GPT-2 124M is ~200 small operations around the matrix products; one by one, a GPU spends
+its time launching them (gpt-fast's cure, followed here: a static KV cache, one compiled step, CUDA graphs). Every
+shape is fixed by a (batch, cache length) pair: the cache is preallocated at a bucketed length L and attended over
+its whole length under a mask of the columns each row may see; the write column, the positions and that mask are
+tensors the step advances itself, so a step is one graph replay and no Python int enters it.
+
+    state after prefill of P columns:  keys[b, :P] = row b's real tokens, pos[b] = their number, at = P
+    one step:                          keys[:, at] = True; logits = model.step(ids, pos, keys, cache, at);
+                                       pos += 1; at += 1
+
+The prefill stays eager (once per generation), writing into the same cache. A StaticDecoder keeps one compiled step
+per model and one captured graph per (batch, cache length) bucket, reused across generations.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from collections import OrderedDict
+
+import torch
+
+from duolm.generation.base import _last_logits, _model_device_dtype, _new_cache
+
+MIN_CACHE = 64          # the shortest cache length; longer ones double up to block_size
+
+
+def cache_length(needed: int, block_size: int) -> int:
+    """The bucketed cache length for `needed` columns: 64, 128, 256, ... up to block_size.
+    cache_length(160, 1024) = 256; cache_length(40, 1024) = 64; cache_length(900, 1024) = 1024."""
+    n = MIN_CACHE
+    while n < needed:
+        n *= 2
+    return min(n, block_size)
+
+
+def advance(model, cache, ids, pos, at, keys) -> torch.Tensor:
+    """One static step: ids (B, 1) in at column `at`; returns fp32 logits (B, V) and advances pos, at."""
+    keys.index_fill_(1, at, True)
+    logits = model.step(ids, pos, keys, cache, at)[:, 0].float()
+    pos.add_(1)
+    at.add_(1)
+    return logits
+
+
+class StaticStep:
+    """One (batch, cache length) bucket: the cache, the step's input tensors (`ids`, `pos`, `at`, `keys`: see the
+    module's doc) and, on CUDA, its captured graph. The tensors are fixed: a caller writes into them, never
+    rebinds them."""
+
+    def __init__(self, model, step_fn, cache, ids, pos, at, keys):
+        self._model = weakref.ref(model)           # a decoder kept for a model must not keep it alive
+        self.cache, self.ids, self.pos, self.at, self.keys = cache, ids, pos, at, keys
+        self._fn = step_fn
+        self.graph = self._capture() if ids.device.type == "cuda" else None
+
+    @classmethod
+    def allocate(cls, model, step_fn, batch: int, length: int) -> "StaticStep":
+        """A step with buffers of its own; the cache zeroed (masked columns are still multiplied by 0: no NaN may
+        sit there)."""
+        device, dtype = _model_device_dtype(model)
+        cache = _new_cache(model, batch, length, device, dtype)
+        for buf in cache.k + cache.v:
+            buf.zero_()
+        return cls(model, step_fn, cache, torch.zeros(batch, 1, dtype=torch.long, device=device),
+                   torch.zeros(batch, 1, dtype=torch.long, device=device),
+                   torch.zeros(1, dtype=torch.long, device=device),
+                   torch.zeros(batch, length, dtype=torch.bool, device=device))
+
+    def _run(self) -> torch.Tensor:
+        return self._fn(self._model(), self.cache, self.ids, self.pos, self.at, self.keys)
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Compile and warm up on a side stream, then record one step (PyTorch's CUDA graph recipe). The warm-up
+        steps write a few cache columns and advance the state: the caller sets the state before the first step."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self._run()
+        return graph
+
+    def prefill(self, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Run the (left-padded) prompts eagerly into the cache's first columns -> their last logits (B, V)."""
+        P = idx.shape[1]
+        self.cache.length = 0
+        logits = _last_logits(self._model(), idx, mask, self.cache)
+        self.keys.zero_()
+        self.keys[:, :P] = True if mask is None else mask.bool()
+        self.pos.copy_(self.keys.sum(1, keepdim=True))
+        self.at.fill_(P)
+        return logits
+
+    def step(self, nxt: torch.Tensor | None = None) -> torch.Tensor:
+        """Feed ids (B,) (None: `ids` already holds them) -> the next logits (B, V) (on CUDA a view of the graph's
+        output, which the next step overwrites)."""
+        if nxt is not None:
+            self.ids.copy_(nxt[:, None])
+        if self.graph is None:
+            return self._run()
+        self.graph.replay()
+        return self.out
+
+
+class StaticDecoder:
+    """The static steps of one GPT-2: compiled once (torch.compile, fullgraph), one StaticStep per (batch, cache
+    length) bucket, kept across generations (the `max_steps` most recent). `compile_s` counts the seconds spent
+    building steps (compiling, warming up, capturing); `built` how many were built."""
+
+    def __init__(self, model, compile: bool = True, max_steps: int = 8):
+        self._model = weakref.ref(model)
+        self._fn = torch.compile(advance, fullgraph=True) if compile else advance
+        self._steps: OrderedDict = OrderedDict()
+        self.max_steps = max_steps
+        self.compile_s = 0.0
+        self.built = 0
+
+    def _build(self, make) -> StaticStep:
+        t = time.perf_counter()
+        with torch.inference_mode():
+            step = make()
+            if step.graph is None:     # compile now, so compile_s holds it (a warm-up: the caller sets the state)
+                step._run()
+        self.compile_s += time.perf_counter() - t
+        self.built += 1
+        return step
+
+    def get(self, batch: int, needed: int) -> StaticStep:
+        """The step for `batch` rows and at least `needed` cache columns, with buffers of its own (built on first
+        use, then kept)."""
+        model = self._model()
+        key = (batch, cache_length(needed, model.config.block_size))
+        if key not in self._steps:
+            self._steps[key] = self._build(lambda: StaticStep.allocate(model, self._fn, *key))
+            while len(self._steps) > self.max_steps:
+                self._steps.popitem(last=False)
+        self._steps.move_to_end(key)
+        return self._steps[key]
+
+    def bind(self, cache, ids, pos, at, keys) -> StaticStep:
+        """A step over the caller's buffers (a server's batch: views of its first rows); built, not kept."""
+        return self._build(lambda: StaticStep(self._model(), self._fn, cache, ids, pos, at, keys))
+
+
+_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def decoder_of(model) -> StaticDecoder:
+    """The compiled StaticDecoder of `model`, made on first use and dropped with the model."""
+    if model not in _DECODERS:
+        _DECODERS[model] = StaticDecoder(model)
+    return _DECODERS[model]

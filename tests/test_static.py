@@ -1,0 +1,106 @@
+"""The static-shape decode step (duolm.generation.static) against generate's eager path: the same ids, greedy and
+seeded sampling, batches of prompts of different lengths; compiled once and reused (dynamo's counters); the CLI's
+--compile. On CUDA the same step is replayed as a CUDA graph (tests/test_cuda.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
+
+from duolm.generation import generate
+from duolm.generation.static import _DECODERS, StaticDecoder, cache_length, decoder_of
+from duolm.models import GPT2, GPT2Config
+
+
+def sharpen(model, scale=0.3, seed=0):
+    """Matrices N(0, scale): next-token distributions far from uniform, so greedy ids have no near ties."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def ids(model, prompts, n, compile, **kw):
+    gen = generate(model, prompts, n, compile=compile, **kw)
+    for _ in gen:
+        pass
+    return gen.tokens, gen.stop_reasons
+
+
+def prompts_of(B, seed, vocab, lo=3, hi=12):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(B)]
+
+
+SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3)
+
+
+def test_cache_length_doubles_from_64_up_to_the_window():
+    assert [cache_length(n, 1024) for n in (1, 64, 65, 160, 513, 1024)] == [64, 64, 128, 256, 1024, 1024]
+    assert cache_length(100, 96) == 96
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2"])
+@pytest.mark.parametrize("B", [1, 8])
+def test_static_step_gives_the_eager_ids(preset, B):
+    """Uncompiled, the static step is the same arithmetic over a longer, masked cache: the eager path's ids, greedy
+    and seeded sampling (top-k, top-p, repetition penalty), prompts of different lengths (left padding), a stop
+    sequence ending one row early. GPT-2 124M's shapes with a short window."""
+    torch.manual_seed(0)
+    model = sharpen(GPT2(GPT2Config.preset(preset, block_size=64)))
+    _DECODERS[model] = StaticDecoder(model, compile=False)
+    prompts = prompts_of(B, seed=B, vocab=model.config.vocab_size)
+    n = 24 if preset == "tiny" else 6
+    want = ids(model, prompts, n, False, temperature=0)
+    assert ids(model, prompts, n, True, temperature=0) == want
+    stop = [want[0][0][2:4]]                               # row 0 stops after its 4th token
+    got = ids(model, prompts, n, True, temperature=0, stop=stop)
+    assert got == ids(model, prompts, n, False, temperature=0, stop=stop) and len(got[0][0]) == 4
+    sampled = [ids(model, prompts, n, c, generator=torch.Generator().manual_seed(5), **SAMPLING) for c in (0, 1)]
+    assert sampled[0] == sampled[1] and sampled[0][0] != want[0]
+
+
+def test_static_step_fills_the_window_as_the_eager_path():
+    """A prompt whose generation reaches block_size: the cache bucket is the window itself; both stop "context"."""
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=48)))
+    _DECODERS[model] = StaticDecoder(model, compile=False)
+    prompts = prompts_of(2, seed=1, vocab=512, lo=30, hi=40)
+    want = ids(model, prompts, 100, False, temperature=0)
+    assert ids(model, prompts, 100, True, temperature=0) == want
+    assert [r.value for r in want[1]] == ["context", "context"]
+
+
+def test_compiled_step_gives_the_eager_ids_and_compiles_once():
+    """torch.compile(fullgraph) of the step: the eager ids for 128 greedy steps and for seeded sampling; a second
+    and a third generation in the same (batch, cache length) bucket, other prompts and lengths, reuse the step:
+    nothing is built or compiled again (dynamo's graph count unchanged)."""
+    torch.manual_seed(0)
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=256)))
+    prompts = prompts_of(3, seed=0, vocab=512)
+    before = counters["stats"]["unique_graphs"]
+    assert ids(model, prompts, 128, True, temperature=0) == ids(model, prompts, 128, False, temperature=0)
+    dec = decoder_of(model)
+    built, graphs = dec.built, counters["stats"]["unique_graphs"]
+    assert built == 1 and graphs == before + 1 and dec.compile_s > 0      # one graph for all 127 steps
+    for seed in (1, 2):
+        other = prompts_of(3, seed=seed, vocab=512)
+        kw = dict(generator=torch.Generator().manual_seed(seed), **SAMPLING)
+        assert ids(model, other, 120, True, **kw) == ids(model, other, 120, False,
+                                                         **{**kw, "generator": torch.Generator().manual_seed(seed)})
+    assert (dec.built, counters["stats"]["unique_graphs"]) == (built, graphs)
+
+
+def test_a_decoder_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    model = GPT2(GPT2Config.preset("tiny")).eval()
+    _DECODERS[model] = StaticDecoder(model, compile=False)
+    ids(model, [[1, 2, 3]], 4, True, temperature=0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
