@@ -22,6 +22,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 import duolm  # noqa: E402
 from duolm import cli  # noqa: E402
 from duolm.generation import StopReason, generate  # noqa: E402
+from duolm.generation.static import _DECODERS, StaticDecoder  # noqa: E402
 from duolm.textgen import TextStream, fill_mask_text, generate_text  # noqa: E402
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noqa: E402
 from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
@@ -240,10 +241,15 @@ def _alone(model, s):
     return gen.tokens[0]
 
 
-def test_scheduler_rows_equal_generate_alone():
+@pytest.mark.parametrize("static", [False, True])
+def test_scheduler_rows_equal_generate_alone(static):
+    """Continuous batching, eager or through static steps (uncompiled here: the same arithmetic; compiled in
+    test_compiled_server_answers_12_concurrent_requests_as_each_alone) over the batch's first 1, 2, 4, 8 rows."""
     model = tiny_gpt2(vocab_size=97, block_size=160)
     specs = _random_rows(24, 97, 160, seed=0)
-    sched = Scheduler(model, max_batch=5)
+    if static:
+        _DECODERS[model] = StaticDecoder(model, compile=False)
+    sched = Scheduler(model, max_batch=5, compile=static)
     moves = []
     realign = sched._realign
 
@@ -266,6 +272,8 @@ def test_scheduler_rows_equal_generate_alone():
     assert any(new > old and B > 0 for old, new, cap, B in moves)
     assert any(new + 1 > cap > 0 for old, new, cap, B in moves)
     assert any(new < old for old, new, cap, B in moves)
+    if static:
+        assert sched._static.built >= 4 and sorted(sched._steps) == [1, 2, 4, 5]     # bound again as the cache grew
 
 
 class _Record(Sink):
@@ -344,6 +352,29 @@ class HeldGPT2(GPT2):
         assert self.go.wait(30)
         self.rows.append(idx.shape[0])
         return super().hidden(idx, *args, **kw)
+
+
+def test_compiled_server_answers_12_concurrent_requests_as_each_alone(gpt2):
+    """duolm serve --compile: 12 requests at once (greedy and seeded sampling, prompt lengths differing) decode
+    through the compiled static step at batch buckets 16, 8, ... as they finish: each one's tokens are those of
+    generate's eager path alone; /metrics counts the compile time."""
+    model, tok = gpt2
+    bodies = [dict(b, logprobs=None, echo=False, presence_penalty=0.0) for b in _invariance_bodies(tok)[:12]]
+    with TestClient(create_app(model, tok, ServeConfig(max_concurrency=16, compile=True))) as c:
+        async def together():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=c.app), base_url="http://t") as ac:
+                return [r.json()["choices"][0]["text"] for r in await asyncio.gather(
+                    *[ac.post("/v1/completions", json=b) for b in bodies])]
+        texts = c.portal.call(together)
+        compile_s = c.get("/metrics?format=json").json()["compile_s"]
+    alone = []
+    for b in bodies:
+        gen = generate(model, [tok.encode(b["prompt"])], b["max_tokens"], temperature=b["temperature"],
+                       top_p=b["top_p"], stop=[[tok.eot_id]], generator=torch.Generator().manual_seed(b["seed"]))
+        for _ in gen:
+            pass
+        alone.append(tok.decode([t for t in gen.tokens[0] if t != tok.eot_id]))
+    assert texts == alone and compile_s > 0
 
 
 def _invariance_bodies(tok):

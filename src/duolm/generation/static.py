@@ -53,7 +53,7 @@ class StaticStep:
         self._model = weakref.ref(model)           # a decoder kept for a model must not keep it alive
         self.cache, self.ids, self.pos, self.at, self.keys = cache, ids, pos, at, keys
         self._fn = step_fn
-        self.graph = self._capture() if ids.device.type == "cuda" else None
+        self.graph: torch.cuda.CUDAGraph | None = None
 
     @classmethod
     def allocate(cls, model, step_fn, batch: int, length: int) -> "StaticStep":
@@ -71,19 +71,28 @@ class StaticStep:
     def _run(self) -> torch.Tensor:
         return self._fn(self._model(), self.cache, self.ids, self.pos, self.at, self.keys)
 
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        """Compile and warm up on a side stream, then record one step (PyTorch's CUDA graph recipe). The warm-up
-        steps write a few cache columns and advance the state: the caller sets the state before the first step."""
+    def warm(self) -> None:
+        """Compile the step (a first call) and, on CUDA, capture it: warm-up calls on a side stream, then one step
+        recorded (PyTorch's CUDA graph recipe). Each call writes the cache at column `at` only (set it to the column
+        the next real step writes) and the state is put back after it."""
+        state = [t.clone() for t in (self.pos, self.at, self.keys)]
+
+        def call():
+            self._run()
+            for t, saved in zip((self.pos, self.at, self.keys), state):
+                t.copy_(saved)
+        if self.ids.device.type != "cuda":
+            call()
+            return
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(3):
-                self._run()
+                call()
         torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
             self.out = self._run()
-        return graph
 
     def prefill(self, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Run the (left-padded) prompts eagerly into the cache's first columns -> their last logits (B, V)."""
@@ -124,8 +133,7 @@ class StaticDecoder:
         t = time.perf_counter()
         with torch.inference_mode():
             step = make()
-            if step.graph is None:     # compile now, so compile_s holds it (a warm-up: the caller sets the state)
-                step._run()
+            step.warm()
         self.compile_s += time.perf_counter() - t
         self.built += 1
         return step

@@ -29,6 +29,8 @@ STATS = {
     "tokens_generated": ("vllm:generation_tokens", "counter", "Tokens generated"),
     "finish_reasons": ("vllm:request_success", "counter",
                        "Sequences ended, by finished_reason (stop, length, cancelled, error)"),
+    "compile_s": ("duolm:compile_seconds", "counter",
+                  "Seconds spent compiling and capturing static decode steps (--compile)"),
     "batches": ("duolm:encoder_batches", "counter", "Batches the BERT worker ran"),
     "items": ("duolm:encoder_items", "counter", "Inputs in those batches"),
     "in_flight": ("duolm:requests_in_flight", "gauge", "Requests admitted and not yet answered"),

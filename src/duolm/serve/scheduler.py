@@ -24,6 +24,11 @@ batch_invariant=True trades that sharing for bitwise reproducibility: each row k
 its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
 log-probabilities are the same bits whatever runs beside it, and in whatever order rows arrive. A step
 then costs one forward per row instead of one for the batch.
+
+compile=True decodes the batch through duolm.generation.static's step (compiled once; a CUDA graph on GPUs) over
+the batch cache's first 1, 2, 4, ... max_batch rows: the step for the smallest bucket that holds the batch, built on
+first use and rebuilt when the cache grows (its length doubles, up to block_size). The rows beyond the batch are
+computed and ignored. The ids are the eager batch's up to the last bits of the logits.
 """
 from __future__ import annotations
 
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from duolm.generation import next_token
+from duolm.generation.static import decoder_of
 from duolm.models import KVCache
 
 log = logging.getLogger("duolm.serve")
@@ -147,9 +153,10 @@ class Scheduler:
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
     in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2.
-    batch_invariant: decode every row alone (see the module's doc)."""
+    batch_invariant: decode every row alone; compile: decode through static steps (see the module's doc)."""
 
-    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False):
+    def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False,
+                 compile: bool = False):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
@@ -168,6 +175,10 @@ class Scheduler:
         self._cache: KVCache | None = None   # max_batch rows x cap columns
         self._mask: torch.Tensor | None = None
         self._L = 0
+        self._static = decoder_of(model) if compile and not batch_invariant else None
+        self._steps: dict = {}           # compile: batch bucket -> StaticStep over the current cache's first rows
+        self._ids = torch.zeros(max_batch, 2, dtype=torch.long, device=self.device)   # compile: ids, positions
+        self._at = torch.zeros(1, dtype=torch.long, device=self.device)
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -187,6 +198,7 @@ class Scheduler:
         return {"running": self.running, "queue_depth": self.waiting, "prompt_tokens": self.prompt_tokens,
                 "tokens_generated": self.tokens_generated,
                 "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
+                "compile_s": self._static.compile_s if self._static else 0.0,
                 "finish_reasons": dict(self.finish_reasons)}
 
     def submit(self, rows) -> None:
@@ -390,15 +402,34 @@ class Scheduler:
         if self._L + 1 > self._cache.max_len:
             self._realign(max(r.n for r in self._rows))
         L = self._L
-        self._mask[:B, L] = 1
-        view = copy.copy(self._cache)               # the first B rows; writes land in the buffers
-        view.k = [k[:B] for k in self._cache.k]
-        view.v = [v[:B] for v in self._cache.v]
-        view.length = L
-        idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
-        logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
+        if self._static is not None:
+            logits = self._step_static(B, L)
+        else:
+            self._mask[:B, L] = True
+            view = self._rows_view(B)
+            view.length = L
+            idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
+            logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
         self._L = L + 1
         return logits
+
+    def _rows_view(self, B: int) -> KVCache:
+        """The batch cache's first B rows (writes land in the buffers)."""
+        view = copy.copy(self._cache)
+        view.k = [k[:B] for k in self._cache.k]
+        view.v = [v[:B] for v in self._cache.v]
+        return view
+
+    def _step_static(self, B: int, L: int) -> torch.Tensor:
+        """The eager step's logits (B, V) from the static step of the smallest bucket holding B rows: its ids and
+        positions (each row's real tokens) written in, the new column L."""
+        self._ids[:B].copy_(torch.tensor([[r.tokens[-1], r.n] for r in self._rows]))
+        self._at.fill_(L)
+        Bb = min(self.max_batch, 1 << (B - 1).bit_length())
+        if Bb not in self._steps:               # built over column L, which this step writes anyway
+            self._steps[Bb] = self._static.bind(self._rows_view(Bb), self._ids[:Bb, :1], self._ids[:Bb, 1:],
+                                                self._at, self._mask[:Bb])
+        return self._steps[Bb].step()[:B]
 
     def _leave(self, gone: list) -> None:
         """Remove the (finished) rows at slots `gone`; the rows after the new end move into the holes."""
@@ -439,7 +470,8 @@ class Scheduler:
             new = KVCache(cfg, self.max_batch, max_len=cap, device=self.device, dtype=self.dtype)
             for buf in new.k + new.v:   # padding columns are read (with weight 0): keep them finite
                 buf.zero_()
-            mask = torch.zeros(self.max_batch, cap, dtype=torch.long, device=self.device)
+            mask = torch.zeros(self.max_batch, cap, dtype=torch.bool, device=self.device)
+            self._steps = {}            # steps are bound to the buffers they read
         else:
             new, mask = old, self._mask
         if B and w:
