@@ -14,8 +14,10 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
   bert-train  BERT-base pretraining step (MLM + NSP, 15% masked, dropout 0.1) at 128 and 512 tokens per sequence,
               bf16 autocast, torch.compile, fused AdamW: each library's own pretraining loss (duolm's MLM_NSP
               objective; transformers' BertForPreTraining(labels=, next_sentence_label=)).
-  decode      GPT-2 124M greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64, fp32 (TF32 off), against
-              transformers.generate; the ids of both are compared.
+  decode      GPT-2 124M greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64, bf16 and fp32 weights (TF32
+              off): duolm eager, duolm compiled (generate(compile=True): the static step replayed as a CUDA graph) and
+              transformers.generate; the ids compared; at batch 1 the share of the bandwidth bound (all weights read
+              once a token at the device-to-device copy bandwidth measured in the run).
 Ratios are duolm's tokens/s over transformers'. Prints the GPU, torch and transformers versions.
 """
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from duolm.convert import hf as conv
 from duolm.generation import generate
+from duolm.generation.static import decoder_of
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
 from duolm.precision import autocast
@@ -164,37 +167,70 @@ def case_bert_train(args, peak, T):
     return report(f"bert-train-{T}", interleaved(sides, B * T, args.steps, args.rounds), 0, peak, compile_s)
 
 
-def case_decode(args, peak):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(0)
-    cfg = GPT2Config.preset("gpt2")
-    ours = GPT2(cfg).eval()
-    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg),
-                                                                  attn_implementation="sdpa")).eval()
-    theirs.load_state_dict(conv.gpt2_to_hf(ours.state_dict()))
-    ours.to(CUDA), theirs.to(CUDA)
-    new, out = 128, []
-    for B in (1, 64):
-        prompts = torch.randint(0, cfg.vocab_size, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
+def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
+    """The GPU's memory bandwidth as a device-to-device copy moves it (bytes read + written per second, GB/s)."""
+    a = torch.empty(n_bytes // 4, device=CUDA)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    return 2 * n_bytes * reps / sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / 1e9
 
-        def run_ours():
-            with torch.inference_mode():
-                gen = generate(ours, prompts, new, temperature=0)
+
+def case_decode(args, peak):
+    """Greedy decoding of GPT-2 124M at batch 1 and 64, fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
+    duolm compiled (generate(compile=True): the static step, a CUDA graph) and transformers.generate, interleaved.
+    The bound printed beside batch 1: every weight read once a token, at the copy bandwidth measured here."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = bandwidth_gbs()
+    print(f"\n== memory bandwidth (device-to-device copy, read + written): {bw:,.0f} GB/s", flush=True)
+    new, out = args.new_tokens, []
+    for dtype in args.decode_dtypes.split(","):
+        torch.manual_seed(0)
+        cfg = GPT2Config.preset("gpt2")
+        ours = GPT2(cfg).eval()
+        theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg),
+                                                                      attn_implementation="sdpa")).eval()
+        theirs.load_state_dict(conv.gpt2_to_hf(ours.state_dict()))
+        dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+        ours.to(CUDA, dt), theirs.to(CUDA, dt)
+        weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
+        bound = bw * 1e9 / weight_bytes
+        for B in (1, 64):
+            prompts = torch.randint(0, cfg.vocab_size, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
+
+            def run_ours(compile=False):
+                gen = generate(ours, prompts, new, temperature=0, compile=compile)
                 for _ in gen:
                     pass
                 return gen.tokens
 
-        def run_theirs():
-            ids = torch.tensor(prompts, device=CUDA)
-            with torch.inference_mode():
-                o = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                    do_sample=False, pad_token_id=0, eos_token_id=None)
-            return o[:, 32:].tolist()
+            def run_theirs():
+                ids = torch.tensor(prompts, device=CUDA)
+                with torch.inference_mode():
+                    o = theirs.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                        min_new_tokens=new, do_sample=False, pad_token_id=0, eos_token_id=None)
+                return o[:, 32:].tolist()
 
-        same = run_ours() == run_theirs()
-        print(f"\n== GPT-2 124M greedy decoding, batch {B}, 32 + {new} tokens, fp32; same ids: {same}", flush=True)
-        rates = interleaved({"duolm": run_ours, "transformers": run_theirs}, B * new, 1, args.rounds)
-        out.append({**report(f"decode-b{B}", rates, 0, peak, None), "same_ids": same})
+            run_ours(True)                                         # the first call compiles and captures
+            compile_s = decoder_of(ours).compile_s
+            eager, compiled, hf = run_ours(), run_ours(True), run_theirs()
+            same = {"compiled_vs_eager": compiled == eager, "eager_vs_transformers": eager == hf}
+            print(f"\n== GPT-2 124M greedy decoding, batch {B}, 32 + {new} tokens, {dtype}; same ids: {same}; "
+                  f"compile + capture {compile_s:.1f} s; batch-1 bound {bound:,.0f} tok/s "
+                  f"({weight_bytes / 1e6:.0f} MB of weights)", flush=True)
+            rates = interleaved({"duolm compiled": lambda: run_ours(True), "duolm eager": run_ours,
+                                 "transformers": run_theirs}, B * new, 1, args.rounds)
+            row = {"case": f"decode-{dtype}-b{B}", **{f"{k.replace(' ', '_')}_tokens_per_s": v for k, v in rates.items()},
+                   "ratio": rates["duolm compiled"] / rates["transformers"],
+                   "eager_ratio": rates["duolm eager"] / rates["transformers"],
+                   "compile_s": compile_s, "same_ids": same, "bandwidth_gbs": bw, "weight_bytes": weight_bytes}
+            if B == 1:
+                row["bound_tokens_per_s"] = bound
+                row["share_of_bound"] = rates["duolm compiled"] / bound
+            print(f"  compiled {row['ratio']:.2f}x transformers (eager {row['eager_ratio']:.2f}x)"
+                  + (f"; {row['share_of_bound']:.0%} of the bandwidth bound" if B == 1 else ""), flush=True)
+            out.append(row)
+        torch.cuda.empty_cache()
     return out
 
 
@@ -205,6 +241,8 @@ def main():
     ap.add_argument("--steps", type=int, default=10, help="training steps per side per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--new-tokens", type=int, default=128, help="decode: tokens generated after the 32-token prompt")
+    ap.add_argument("--decode-dtypes", default="bf16,fp32", help="decode: the weights' dtypes, comma-separated")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")

@@ -44,6 +44,7 @@ import argparse
 import copy
 import concurrent.futures
 import contextlib
+import json
 import os
 import queue
 import socket
@@ -155,6 +156,9 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every server and of the library run")
     ap.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
     ap.add_argument("--batch-invariant", action="store_true", help="also `duolm serve --batch-invariant`")
+    ap.add_argument("--compile", action="store_true", help="also `duolm serve --compile` (static decode steps; CUDA "
+                                                            "graphs on a GPU); its compile time is in its first round")
+    ap.add_argument("--json", help="write the best rates here ({server: {clients: tokens/s}}, the library alone)")
     ap.add_argument("--scoring", type=int, default=0, metavar="N",
                     help="measure lm-eval-shaped scoring of N LAMBADA passages instead")
     ap.add_argument("--soak", type=int, default=0, metavar="N", help="run the serving soak of N requests instead")
@@ -191,6 +195,8 @@ def run_all(args, model, tok, prompts, tmp, clients):
                 threads)]
     if args.batch_invariant:
         servers.append(("duolm serve --batch-invariant", servers[0][1] + ["--batch-invariant"], "gpt2-124m", threads))
+    if args.compile:
+        servers.append(("duolm serve --compile", servers[0][1] + ["--compile"], "gpt2-124m", threads))
     if not args.no_transformers and args.device == "cpu":
         try:
             import accelerate  # noqa: F401  (transformers serve needs it on CPU)
@@ -249,6 +255,9 @@ def run_all(args, model, tok, prompts, tmp, clients):
         if name != "duolm serve":
             print(f"duolm serve vs {name}: " + ", ".join(
                 f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in clients))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": args.device, "library_alone": alone, "servers": {
+            name: {str(n): best[name, n] for n in clients} for name in urls}}, indent=1) + "\n")
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 

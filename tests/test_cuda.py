@@ -1,6 +1,7 @@
-"""duolm on CUDA against duolm on the CPU: logits of both families, greedy decoding with the KV cache, bf16 autocast
-training against fp32, a run killed and resumed, a torch.compile'd (fullgraph) model training, and the server
-answering concurrent requests as it answers them one by one.
+"""duolm on CUDA against duolm on the CPU: logits of both families, greedy decoding with the KV cache, the compiled
+static decode step replayed as a CUDA graph, bf16 autocast training against fp32, FSDP2 on one GPU, a run killed and
+resumed, a torch.compile'd (fullgraph) model training, and the server answering concurrent requests (eager and
+compiled) as it answers them one by one.
 
 Every test here is marked `cuda`: where no CUDA device is present they are deselected and the run says so in its
 summary (conftest.py). `pytest -m cuda tests/test_cuda.py` runs them alone on a GPU machine.
@@ -81,6 +82,72 @@ def test_greedy_decoding_on_cuda_equals_cpu():
     assert got == want and all(len(t) == 40 for t in want)
 
 
+def test_compiled_decode_step_on_cuda_equals_eager_and_cpu():
+    """The static step compiled and replayed as a CUDA graph (generate(compile=True)): GPT-2 124M's shapes, batch 1
+    and 8 (prompts of different lengths), 40 greedy tokens equal to the eager path on CUDA and to the CPU; seeded
+    sampling equal to the eager path's draws; a second generation in the bucket replays the captured graph."""
+    from duolm.generation.static import decoder_of
+
+    torch.manual_seed(0)
+    model = sharpen(GPT2(GPT2Config.preset("gpt2", block_size=128))).eval()
+    batches = [[[5, 17, 33, 9]], [list(range(7 * i, 7 * i + 1 + 3 * i)) for i in range(8)]]
+
+    def ids(m, prompts, compile, **kw):
+        gen = generate(m, prompts, 40, compile=compile, **kw)
+        for _ in gen:
+            pass
+        return gen.tokens
+
+    want = [ids(model, b, False, temperature=0) for b in batches]
+    model.to(CUDA)
+    for b, w in zip(batches, want):
+        assert ids(model, b, True, temperature=0) == ids(model, b, False, temperature=0) == w
+        draws = [ids(model, b, c, temperature=0.9, top_p=0.95, generator=torch.Generator(CUDA).manual_seed(3))
+                 for c in (True, False)]
+        assert draws[0] == draws[1]
+    dec = decoder_of(model)
+    assert dec.built == 2 and all(step.graph is not None for step in dec._steps.values())
+
+
+def test_fsdp2_on_one_gpu_trains_as_the_plain_model():
+    """FSDP2 on CUDA (NCCL, a process group of one): each block and the root sharded with bf16 compute and fp32
+    reduction (MixedPrecisionPolicy), 30 steps within bf16's tolerance (2%) of the plain model under bf16 autocast."""
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from duolm.train.optim import make_optimizer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        curves = {}
+        for name in ("plain", "fsdp"):
+            torch.manual_seed(0)
+            model = GPT2(GPT2Config(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=64)).to(CUDA).train()
+            if name == "fsdp":
+                policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                for block in model.h:
+                    fully_shard(block, mp_policy=policy)
+                fully_shard(model, mp_policy=policy)
+            opt, data, curves[name] = make_optimizer(model, 1e-3), Windows(holes=False), []
+            for step in range(30):
+                batch = {k: v.to(CUDA) for k, v in data.batch(step, 32).items()}
+                with autocast("bf16" if name == "plain" else "fp32", CUDA):
+                    loss, _ = causal_lm_loss(model(batch["x"]), batch)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                curves[name].append(loss.item())
+    finally:
+        dist.destroy_process_group()
+    a, b = torch.tensor(curves["plain"]), torch.tensor(curves["fsdp"])
+    assert a[-1] < 0.8 * a[0] and ((a - b).abs() / a).max() < 0.02
+
+
 def test_bf16_training_on_cuda_tracks_fp32():
     """200 steps of a small GPT-2 through train() in fp32 and in "auto", which on a bf16 GPU is bf16 autocast:
     fp32 weights, the loss curves within 2% of each other at every step."""
@@ -147,9 +214,11 @@ def test_train_config_compile_on_cuda():
     assert len(curve) == 20 and curve[-1] < 0.8 * curve[0]
 
 
-def test_serve_on_cuda_answers_concurrent_requests_as_sequential_ones():
+@pytest.mark.parametrize("compile", [False, True])
+def test_serve_on_cuda_answers_concurrent_requests_as_sequential_ones(compile):
     """A GPT-2 on the GPU behind the server: 12 greedy completions sent at once (decoded together) equal each sent
-    alone, text and tokens; their log-probabilities within 1e-4."""
+    alone, text and tokens; their log-probabilities within 1e-4. With --compile, through the static steps' CUDA
+    graphs."""
     pytest.importorskip("fastapi")
     try:
         import httpx2 as httpx               # what starlette's TestClient uses, where installed
@@ -168,7 +237,7 @@ def test_serve_on_cuda_answers_concurrent_requests_as_sequential_ones():
     model = model.to(CUDA).eval()
     bodies = [dict(prompt=" ".join(words[i % 7:i % 7 + 1 + i % 5]), max_tokens=8 + i, temperature=0, logprobs=1)
               for i in range(12)]
-    config = dataclasses.replace(ServeConfig(max_concurrency=16), device="cuda")
+    config = dataclasses.replace(ServeConfig(max_concurrency=16, compile=compile), device="cuda")
     with TestClient(create_app(model, tok, config)) as c:
         alone = [c.post("/v1/completions", json=b).json()["choices"][0] for b in bodies]
 

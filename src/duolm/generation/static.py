@@ -91,7 +91,7 @@ class StaticStep:
                 call()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # other threads may use CUDA
             self.out = self._run()
 
     def prefill(self, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Every GPU measurement of the project in one bounded run, most wanted first, for a lent machine with little time:
+# decoding (eager, compiled, transformers), the CUDA tests, serving (eager and --compile), training. Each part has
+# its own time limit (DECODE_S, TESTS_S, SERVE_S, TRAIN_S; PARTS picks some); logs and JSON results go to $OUT (default /tmp/gpu-run). Run from the repository root:
+#     bash benchmarks/gpu_all.sh
+# Python packages the machine lacks (the server's) may sit as wheels in .whl/; the data the serving benchmark reads
+# (GPT-2's vocabulary, WikiText-2's test split) in .gpu-data/ when ../shared/data is not beside the checkout.
+set -u
+OUT=${OUT:-/tmp/gpu-run}
+mkdir -p "$OUT"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:src
+fi
+if [ ! -d ../shared/data ] && [ -d .gpu-data ]; then mkdir -p ../shared && cp -r .gpu-data ../shared/data; fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+PARTS=",${PARTS:-decode,cuda-tests,serve,train},"      # which parts run (PARTS=train: that one alone)
+part() {   # part NAME SECONDS COMMAND...: run, bounded, its output to $OUT/NAME.log
+    local name=$1 limit=$2; shift 2
+    [[ $PARTS == *",$name,"* ]] || return 0
+    echo "== $name (at most $limit s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "== $name: exit $? after $((SECONDS - t0)) s"; tail -n 25 "$OUT/$name.log"
+}
+part decode "${DECODE_S:-170}" python3 benchmarks/gpu.py --cases decode --rounds 3 --json "$OUT/decode.json"
+part cuda-tests "${TESTS_S:-200}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+part serve "${SERVE_S:-220}" python3 benchmarks/serve.py --device cuda --clients 1,16,64 --max-concurrency 64 \
+    --requests 128 --new-tokens 64 --rounds 2 --no-transformers --compile --json "$OUT/serve.json"
+part train "${TRAIN_S:-240}" python3 benchmarks/gpu.py --cases gpt2-train,bert-train --rounds 3 --json "$OUT/train.json"
