@@ -58,7 +58,10 @@ from pathlib import Path
 # `tokenizers` package that transformers imports.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
-import httpx2 as httpx
+try:
+    import httpx2 as httpx          # what the test extra installs
+except ImportError:
+    import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))

@@ -17,7 +17,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx2 as httpx
+try:
+    import httpx2 as httpx          # what the test extra installs
+except ImportError:
+    import httpx
 import numpy as np
 import torch
 
