@@ -322,14 +322,25 @@ def score(model, tokenizer, examples, features=None, batch_size: int = 64) -> di
     return scores(predict_logits(model, features, batch_size), features, model.head.kind, _metrics_of(model.head))
 
 
+def _run(model, tokenizer, texts, batch_size: int) -> tuple[torch.Tensor, SentenceFeatures]:
+    """The head's outputs (N, n_out) for texts (str) or pairs ((str, str)), and their features."""
+    examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
+    feats = encode(examples, tokenizer, model.head)
+    return predict_logits(model, feats, batch_size), feats
+
+
+def _mark_cut(out: list[dict], feats: SentenceFeatures) -> list[dict]:
+    for i in feats.cut:
+        out[i]["truncated"] = True
+    return out
+
+
 def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
     """Predictions of a fine-tuned head model for texts (str) or pairs ((str, str)), in order:
     {"label", "probabilities": {label: p}} (classify) or {"score"} (regress); "truncated": True marks an
     input that was cut to the model's max_length."""
     head = model.head
-    examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
-    feats = encode(examples, tokenizer, head)
-    logits = predict_logits(model, feats, batch_size)
+    logits, feats = _run(model, tokenizer, texts, batch_size)
     out: list[dict]
     if head.kind == "regress":
         out = [{"score": float(x)} for x in logits[:, 0]]
@@ -337,9 +348,31 @@ def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
         probs = logits.softmax(-1)
         out = [{"label": head.labels[int(p.argmax())], "probabilities": dict(zip(head.labels, p.tolist()))}
                for p in probs]
-    for i in feats.cut:
-        out[i]["truncated"] = True
-    return out
+    return _mark_cut(out, feats)
+
+
+def scores_pairs(head: HeadConfig) -> bool:
+    """Whether a head gives one relevance score per pair: a regressor, or a classifier of two labels."""
+    return head.kind == "regress" or (head.kind == "classify" and len(head.labels) == 2)
+
+
+def pair_scores(model, tokenizer, pairs, batch_size: int = 64) -> list[dict]:
+    """The relevance score of each (text, text) pair, as a cross-encoder gives it: {"score", "tokens"}, in order.
+    score: a regressor's value (STS-B: 0 to 5), or a 2-label classifier's probability of its second label (label
+    index 1: MRPC's "1", a paraphrase), softmax(logits)[1] = sigmoid(l1 - l0); tokens: the inputs' length (GPT
+    with both orders: the two inputs'); "truncated": True marks a pair cut to the model's max_length. Other heads
+    have no one score per pair (ValueError), and a text alone is not a pair (ValueError)."""
+    head = model.head
+    if not scores_pairs(head):
+        raise ValueError(f"a relevance score needs a fine-tuned pair classifier of 2 labels or a regressor; this "
+                         f"model's head is {head.kind}" + (f" with {len(head.labels)} labels" if head.labels else ""))
+    single = next((i for i, p in enumerate(pairs) if not isinstance(p, (tuple, list)) or len(p) != 2), None)
+    if single is not None:
+        raise ValueError(f"input {single} is not a pair of texts: a relevance score is of a (text, text) pair")
+    logits, feats = _run(model, tokenizer, pairs, batch_size)
+    values = logits[:, 0] if head.kind == "regress" else logits.softmax(-1)[:, 1]
+    tokens = [sum(map(len, x)) if isinstance(x, tuple) else len(x) for x in feats.ids]
+    return _mark_cut([{"score": float(v), "tokens": n} for v, n in zip(values, tokens)], feats)
 
 
 def write_glue_predictions(model, tokenizer, data_dir, out_dir, batch_size: int = 64) -> list[Path]:
