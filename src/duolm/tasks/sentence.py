@@ -35,26 +35,34 @@ from duolm.tokenizers import ByteLevelBPE, WordPiece
 
 # --- readers ---------------------------------------------------------------------------------------------
 
-def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction: float = 0.0) -> Data:
+def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction: float = 0.0,
+              dev_file=None) -> Data:
     """A GLUE task from its standard folder. Without dev files, `dev_fraction` > 0 holds out the LAST share
-    of train.tsv as the dev set (the notes say so); test files are read when present."""
-    task, data_dir = glue_task(name), Path(data_dir)
-    if not data_dir.is_dir():
+    of train.tsv as the dev set (the notes say so); test files are read when present. dev_file: a file in the
+    task's format, the dev set instead of the folder's (data_dir None: only the dev set is read)."""
+    task, scored_alone = glue_task(name), dev_file is not None and set(splits) == {"dev"}
+    if data_dir is None and not scored_alone:
+        raise ValueError(f"GLUE task {name!r} needs its data folder (--data glue/{task.folder})"
+                         + (", or a --dev file to score" if set(splits) == {"dev"} else ""))
+    data_dir = Path(data_dir or "")
+    if not scored_alone and not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such folder (expected the GLUE {task.folder} folder with train.tsv)")
 
     def read(file, labelled=True):
         headerless = task.columns is not None and labelled
-        return read_examples(data_dir / file, task.text_a, task.text_b, task.label if labelled else None,
+        return read_examples(file, task.text_a, task.text_b, task.label if labelled else None,
                              columns=task.columns if headerless else None, index=None if labelled else task.index)
 
     data = Data(task.name, task.kind, list(task.labels or []), task.metrics)
-    if "train" in splits or ("dev" in splits and dev_fraction):
-        data.train = read("train.tsv")
+    if "train" in splits or ("dev" in splits and dev_fraction and dev_file is None):
+        data.train = read(data_dir / "train.tsv")
         check_labels(data.train, task.kind, data.labels)
     if "dev" in splits:
         present = [(p, f) for p, f in task.dev if (data_dir / f).is_file()]
-        if present:
-            data.dev = {p: read(f) for p, f in present}
+        if dev_file is not None:
+            data.dev = {"": read(dev_file)}
+        elif present:
+            data.dev = {p: read(data_dir / f) for p, f in present}
         elif dev_fraction:
             data.train, held = holdout(data.train, dev_fraction)
             data.dev = {"": held}
@@ -66,7 +74,7 @@ def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction
         for examples in data.dev.values():
             check_labels(examples, task.kind, data.labels)
     if "test" in splits:
-        data.test = {sub: read(f, labelled=False) for sub, f in task.test if (data_dir / f).is_file()}
+        data.test = {sub: read(data_dir / f, labelled=False) for sub, f in task.test if (data_dir / f).is_file()}
     return data
 
 
@@ -404,10 +412,8 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
         data = load_user(files.train if "train" in splits else None, files.dev, files.text_column, files.pair_column,
                          files.label_column, regress=name.lower() == "regress", dev_fraction=options.dev_fraction,
                          kind=head.kind if head else None, labels=head.labels if head else None)
-    elif files.data is None:
-        raise ValueError(f"GLUE task {name!r} needs its data folder (--data glue/{glue_task(name).folder})")
     else:
-        data = load_glue(name, files.data, splits, options.dev_fraction)
+        data = load_glue(name, files.data, splits, options.dev_fraction, files.dev)
     if head is not None and (data.kind != head.kind or (data.labels and data.labels != head.labels)):
         raise ValueError(f"the model predicts {head.kind} {head.labels or ''} (task {head.task!r}); "
                          f"the data is {data.kind} {data.labels or ''} (task {data.name!r})")
