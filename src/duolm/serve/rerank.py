@@ -47,9 +47,9 @@ def router(s: Served) -> APIRouter:
         ids = [tok.encode(t) for t in [query, *texts]]
         long = next((i for i, x in enumerate(ids) if len(x) > limit), None)
         if long is not None and not cut:
-            name = names[0] if long == 0 else f"{names[1]}[{long - 1}]"
+            field, name = (names[0], names[0]) if long == 0 else (names[1], f"{names[1]}[{long - 1}]")
             raise APIError(400, f"{name} has {len(ids[long])} tokens, limit {limit}; send truncate_prompt_tokens: -1 "
-                                "to cut it", names[long > 0])
+                                "to cut it", field)
         return [truncated(x, limit) for x in ids]
 
     async def relevance(query: str, texts: list[str], names: tuple[str, str], cut: bool) -> tuple[list[float], int]:

@@ -58,10 +58,9 @@ def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction
         data.train = read(data_dir / "train.tsv")
         check_labels(data.train, task.kind, data.labels)
     if "dev" in splits:
-        present = [(p, f) for p, f in task.dev if (data_dir / f).is_file()]
         if dev_file is not None:
             data.dev = {"": read(dev_file)}
-        elif present:
+        elif present := [(p, f) for p, f in task.dev if (data_dir / f).is_file()]:
             data.dev = {p: read(data_dir / f) for p, f in present}
         elif dev_fraction:
             data.train, held = holdout(data.train, dev_fraction)
