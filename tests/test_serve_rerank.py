@@ -110,6 +110,9 @@ def test_pair_head_scores_equal_cross_encoder(exported, sts, kind, monkeypatch, 
     assert printed == pytest.approx(want[:3].tolist(), abs=1e-5)
     main(["predict", str(exported[kind]), *pairs[0], "--pairs", "--score"])
     assert capsys.readouterr().out == f"{query}\t{docs[0]}\t{want[0]:.4f}\n"
+    with pytest.raises(SystemExit):
+        main(["predict", str(exported[kind]), query, "--score"])
+    assert "duolm: error: input 0 is not a pair of texts" in capsys.readouterr().err
 
 
 def test_embedding_model_scores_are_sentence_transformers_cosines(sts, monkeypatch):
