@@ -406,8 +406,10 @@ def test_head_models_round_trip_through_transformers(family, kind, cls, tiny_ber
 import json  # noqa: E402
 import statistics  # noqa: E402
 
+import scipy.stats  # noqa: E402
+
 from duolm.tasks import Files, TaskOptions, evaluate, load_finetuned, predict  # noqa: E402
-from duolm.tasks.sentence import write_glue_predictions  # noqa: E402
+from duolm.tasks.sentence import pair_scores, write_glue_predictions  # noqa: E402
 from duolm.train.finetune import FINETUNE_LOOP, FinetuneConfig, finetune, summarize  # noqa: E402
 
 
@@ -518,6 +520,16 @@ def test_gpt_finetune_with_lm_loss_and_both_orders(tiny_gpt2_dir, data_dir, tmp_
     assert model.head.both_orders and model.head.kind == "regress"
     out = predict(model, tok, [("A man plays a guitar.", "A man is playing guitar.")])
     assert set(out[0]) == {"score"}
+    # a GLUE task's file given with --dev is scored as it is, without the task's folder: STS-B's metrics of the
+    # regressor's scores (pair_scores, what /v1/score answers) against scipy's
+    unseen = (data_dir / "glue" / "STS-B" / "train.tsv").read_text(encoding="utf-8").splitlines()[81:141]
+    dev = _write(tmp_path / "sts-dev.tsv", head + "\n".join(unseen) + "\n")
+    got, _ = evaluate(model, tok, Files(dev=dev))
+    examples = load_glue("stsb", None, ("dev",), dev_file=dev).dev[""]
+    scores = [x["score"] for x in pair_scores(model, tok, [(e.text_a, e.text_b) for e in examples])]
+    gold = [float(e.label) for e in examples]
+    assert len(examples) == 60 and got["spearman"] == pytest.approx(scipy.stats.spearmanr(scores, gold)[0], abs=1e-9)
+    assert got["pearson"] == pytest.approx(scipy.stats.pearsonr(scores, gold)[0], abs=1e-9)
 
 
 def test_wrong_model_for_the_job_says_so(tiny_bert_dir, sst2_csv, tmp_path, minilm):

@@ -234,7 +234,7 @@ def conll_dir(data_dir, tmp_path_factory):
     return d
 
 
-def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_thread, capsys):
+def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, data_dir, tmp_path, one_thread, capsys):
     cfg = ft_config(lr=1e-3, batch_size=16, epochs=2, max_length=48, context="document")
     res = finetune(tiny_bert_dir, "conll2003", tmp_path / "ner", cfg, Files(data=conll_dir))
     assert res["kind"] == "tag" and res["metric"] == "f1" and res["labels"][0] == "O"
@@ -255,6 +255,27 @@ def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, tmp_path, one_t
     with pytest.raises(SystemExit):
         main(["predict", str(tmp_path / "ner"), text, text, "--pairs"])
     assert "a tagger takes texts, not pairs" in capsys.readouterr().err
+
+    # `duolm evaluate --dev FILE` scores the file as it is, with no --data (eng.testb, say): here the next lines of
+    # eng.testa, against seqeval's conlleval-mode F1 of the same predictions; and eng.testa as the folder gives it
+    other = tmp_path / "other.conll"
+    other.write_text("\n".join((data_dir / "conll2003" / "eng.testa").read_text(encoding="utf-8").splitlines()[400:900])
+                     + "\n", encoding="utf-8")
+    main(["evaluate", str(tmp_path / "ner"), "--dev", str(other), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    sents = read_conll(other)
+    seqeval = pytest.importorskip("seqeval.metrics")
+    gold, pred = [s.tags for s in sents], tagging.predict_tags(model, tok, sents)[0]
+    want = seqeval.classification_report(gold, pred, output_dict=True, zero_division=0)
+    assert got["task"] == "conll2003" and got["f1"] == pytest.approx(want["micro avg"]["f1-score"], abs=1e-9)
+    assert {t: x["support"] for t, x in got["per_type"].items()} == {t: want[t]["support"] for t in got["per_type"]}
+    assert sum(x["support"] for x in got["per_type"].values()) == want["micro avg"]["support"] > 50
+    main(["evaluate", str(tmp_path / "ner"), "--dev", str(conll_dir / "eng.testa"), "--json"])
+    assert json.loads(capsys.readouterr().out)["f1"] == evaluate(model, tok, Files(data=conll_dir))[0]["f1"]
+    other.write_text("Bob B-FOO\nruns O\n", encoding="utf-8")
+    with pytest.raises(SystemExit):
+        main(["evaluate", str(tmp_path / "ner"), "--dev", str(other)])
+    assert "other.conll:1: tag 'B-FOO' was not seen in training" in capsys.readouterr().err
 
 
 def test_predicted_entities_are_conlleval_chunks_of_words(minilm):

@@ -84,7 +84,7 @@ def add_finetune(sub):
 def cmd_predict(args):
     from duolm.fileio import write_text
     from duolm.tasks import PredictInputs, head_task, load_finetuned, predict
-    from duolm.tasks.sentence import write_glue_predictions
+    from duolm.tasks.sentence import pair_scores, write_glue_predictions
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
     for_inference(model, args, args.device or "cpu")
@@ -93,7 +93,7 @@ def cmd_predict(args):
         files = write_glue_predictions(model, tok, args.data, args.out)
         return print("wrote " + ", ".join(map(str, files)))
     inputs = task.parse(PredictInputs(args.texts, args.file, args.pairs, args.question or [], args.context))
-    results = predict(model, tok, inputs)
+    results = (pair_scores if args.score else predict)(model, tok, inputs)
     if args.json:
         return print(json.dumps([{"input": i, "prediction": r} for i, r in zip(inputs, results)]))
     lines = [task.line(i, r) for i, r in zip(inputs, results)]
@@ -110,6 +110,9 @@ def add_predict(sub):
     p.add_argument("model", help="fine-tuned run folder or model directory")
     p.add_argument("texts", nargs="*", help="texts to label or tag (multiple choice: a context, then its endings)")
     p.add_argument("--pairs", action="store_true", help="the texts are sentence pairs, two at a time")
+    p.add_argument("--score", action="store_true", help="each pair's relevance score, as /v1/score and /v1/rerank "
+                                                        "give it: a regressor's value, a 2-label classifier's "
+                                                        "probability of its second label")
     p.add_argument("--file", default=None, help="one input per line; a tab separates the two texts of a pair")
     p.add_argument("--question", action="append", help="question answering: a question (repeatable)")
     p.add_argument("--context", default=None, help="question answering: the text file to find the answer in")

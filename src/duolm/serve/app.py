@@ -1,9 +1,9 @@
 """The HTTP application: OpenAI-compatible routes over one model, with limits in front of them.
 
 The routes are APIRouters: status.py and tokens.py (every model), then one module per kind of model:
-gpt2.py, bert.py and heads.py (fine-tuned heads). Every route is mounted; one the served model cannot answer is a 400
-naming the model and stays out of the OpenAPI docs: GET /openapi.json (and /docs) lists the routes
-this server answers, as a 404's message does.
+gpt2.py, bert.py, heads.py (fine-tuned heads) and rerank.py (score and rerank: pair heads, embedding models).
+Every route is mounted; one the served model cannot answer is a 400 naming the model and stays out of the
+OpenAPI docs: GET /openapi.json (and /docs) lists the routes this server answers, as a 404's message does.
 
 In front of the app (the `_Gate` middleware): bodies over `max_body_bytes` 413, bodies not in within `body_timeout`
 408, and the metrics of every request. Then the dependencies (deps.py): while draining (SIGTERM) 503; with an API key,
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from duolm.models import GPT2
 from duolm.precision import quantize, resolve
-from duolm.serve import ServeConfig, bert, gpt2, heads, status, tokens
+from duolm.serve import ServeConfig, bert, gpt2, heads, rerank, status, tokens
 from duolm.serve.deps import Served
 from duolm.serve.encoders import EncoderWorker, Pooling
 from duolm.serve.metrics import Admission, Connections, Metrics
@@ -68,7 +68,7 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     app.state.connections = connections          # the HTTP protocol counts into it (protocol.py)
     guard = [Depends(s.accepting), Depends(s.authorized)]       # status.py guards its own: /health is open
     routers = [(status.router(s), []), (tokens.router(s), guard), (gpt2.router(s), guard), (bert.router(s), guard),
-               (heads.router(s), guard)]
+               (heads.router(s), guard), (rerank.router(s), guard)]
     for router, dependencies in routers:
         app.include_router(router, dependencies=dependencies)
     app.state.routes = [route for router, _ in routers for route in router.routes]
@@ -85,7 +85,8 @@ async def _api_error(request, e: APIError):
 
 
 async def _invalid(request, e: RequestValidationError):
-    err = e.errors()[0]
+    errors = e.errors()          # a union's members each fail: the one of the input's type says what is wrong
+    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
     if err["type"] == "json_invalid":
         return JSONResponse(APIError(400, f"body is not valid JSON: {err['msg']}").body(), status_code=400)
     loc = [str(x) for x in err["loc"] if x not in ("body", "query")]

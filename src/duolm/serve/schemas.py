@@ -93,6 +93,32 @@ class ClassifyRequest(_Request):
         return [x if isinstance(x, str) else tuple(x) for x in inputs]
 
 
+class ScoreRequest(_Request):
+    """vLLM's POST /v1/score: text_1 scored against text_2, or against each text of a list."""
+    text_1: str
+    text_2: str | _many(str)
+    # vLLM's: -1 cuts each input to the model's limit (a pair: the longer text first); None refuses longer inputs
+    truncate_prompt_tokens: Literal[-1] | None = None
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    text: str
+
+
+class RerankRequest(_Request):
+    """Jina's and Cohere's rerank, as vLLM serves it: the documents (texts, or {"text"} objects) ranked by
+    relevance to the query."""
+    query: str
+    documents: _many(Union[str, Document])
+    top_n: Annotated[int, Field(ge=0)] | None = None              # None or 0 (vLLM's): every document
+    return_documents: bool = True
+    truncate_prompt_tokens: Literal[-1] | None = None             # as in ScoreRequest
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
 class NERRequest(_Request):
     input: str | _many(str)
 

@@ -35,26 +35,33 @@ from duolm.tokenizers import ByteLevelBPE, WordPiece
 
 # --- readers ---------------------------------------------------------------------------------------------
 
-def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction: float = 0.0) -> Data:
+def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction: float = 0.0,
+              dev_file=None) -> Data:
     """A GLUE task from its standard folder. Without dev files, `dev_fraction` > 0 holds out the LAST share
-    of train.tsv as the dev set (the notes say so); test files are read when present."""
-    task, data_dir = glue_task(name), Path(data_dir)
-    if not data_dir.is_dir():
+    of train.tsv as the dev set (the notes say so); test files are read when present. dev_file: a file in the
+    task's format, the dev set instead of the folder's (data_dir None: only the dev set is read)."""
+    task, scored_alone = glue_task(name), dev_file is not None and set(splits) == {"dev"}
+    if data_dir is None and not scored_alone:
+        raise ValueError(f"GLUE task {name!r} needs its data folder (--data glue/{task.folder})"
+                         + (", or a --dev file to score" if set(splits) == {"dev"} else ""))
+    data_dir = Path(data_dir or "")
+    if not scored_alone and not data_dir.is_dir():
         raise FileNotFoundError(f"{data_dir}: no such folder (expected the GLUE {task.folder} folder with train.tsv)")
 
     def read(file, labelled=True):
         headerless = task.columns is not None and labelled
-        return read_examples(data_dir / file, task.text_a, task.text_b, task.label if labelled else None,
+        return read_examples(file, task.text_a, task.text_b, task.label if labelled else None,
                              columns=task.columns if headerless else None, index=None if labelled else task.index)
 
     data = Data(task.name, task.kind, list(task.labels or []), task.metrics)
-    if "train" in splits or ("dev" in splits and dev_fraction):
-        data.train = read("train.tsv")
+    if "train" in splits or ("dev" in splits and dev_fraction and dev_file is None):
+        data.train = read(data_dir / "train.tsv")
         check_labels(data.train, task.kind, data.labels)
     if "dev" in splits:
-        present = [(p, f) for p, f in task.dev if (data_dir / f).is_file()]
-        if present:
-            data.dev = {p: read(f) for p, f in present}
+        if dev_file is not None:
+            data.dev = {"": read(dev_file)}
+        elif present := [(p, f) for p, f in task.dev if (data_dir / f).is_file()]:
+            data.dev = {p: read(data_dir / f) for p, f in present}
         elif dev_fraction:
             data.train, held = holdout(data.train, dev_fraction)
             data.dev = {"": held}
@@ -66,7 +73,7 @@ def load_glue(name: str, data_dir, splits=("train", "dev", "test"), dev_fraction
         for examples in data.dev.values():
             check_labels(examples, task.kind, data.labels)
     if "test" in splits:
-        data.test = {sub: read(f, labelled=False) for sub, f in task.test if (data_dir / f).is_file()}
+        data.test = {sub: read(data_dir / f, labelled=False) for sub, f in task.test if (data_dir / f).is_file()}
     return data
 
 
@@ -322,14 +329,25 @@ def score(model, tokenizer, examples, features=None, batch_size: int = 64) -> di
     return scores(predict_logits(model, features, batch_size), features, model.head.kind, _metrics_of(model.head))
 
 
+def _run(model, tokenizer, texts, batch_size: int) -> tuple[torch.Tensor, SentenceFeatures]:
+    """The head's outputs (N, n_out) for texts (str) or pairs ((str, str)), and their features."""
+    examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
+    feats = encode(examples, tokenizer, model.head)
+    return predict_logits(model, feats, batch_size), feats
+
+
+def _mark_cut(out: list[dict], feats: SentenceFeatures) -> list[dict]:
+    for i in feats.cut:
+        out[i]["truncated"] = True
+    return out
+
+
 def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
     """Predictions of a fine-tuned head model for texts (str) or pairs ((str, str)), in order:
     {"label", "probabilities": {label: p}} (classify) or {"score"} (regress); "truncated": True marks an
     input that was cut to the model's max_length."""
     head = model.head
-    examples = [Example(*t) if isinstance(t, (tuple, list)) else Example(t) for t in texts]
-    feats = encode(examples, tokenizer, head)
-    logits = predict_logits(model, feats, batch_size)
+    logits, feats = _run(model, tokenizer, texts, batch_size)
     out: list[dict]
     if head.kind == "regress":
         out = [{"score": float(x)} for x in logits[:, 0]]
@@ -337,9 +355,31 @@ def predict(model, tokenizer, texts, batch_size: int = 64) -> list[dict]:
         probs = logits.softmax(-1)
         out = [{"label": head.labels[int(p.argmax())], "probabilities": dict(zip(head.labels, p.tolist()))}
                for p in probs]
-    for i in feats.cut:
-        out[i]["truncated"] = True
-    return out
+    return _mark_cut(out, feats)
+
+
+def scores_pairs(head: HeadConfig) -> bool:
+    """Whether a head gives one relevance score per pair: a regressor, or a classifier of two labels."""
+    return head.kind == "regress" or (head.kind == "classify" and len(head.labels) == 2)
+
+
+def pair_scores(model, tokenizer, pairs, batch_size: int = 64) -> list[dict]:
+    """The relevance score of each (text, text) pair, as a cross-encoder gives it: {"score", "tokens"}, in order.
+    score: a regressor's value (STS-B: 0 to 5), or a 2-label classifier's probability of its second label (label
+    index 1: MRPC's "1", a paraphrase), softmax(logits)[1] = sigmoid(l1 - l0); tokens: the inputs' length (GPT
+    with both orders: the two inputs'); "truncated": True marks a pair cut to the model's max_length. Other heads
+    have no one score per pair (ValueError), and a text alone is not a pair (ValueError)."""
+    head = model.head
+    if not scores_pairs(head):
+        raise ValueError(f"a relevance score needs a fine-tuned pair classifier of 2 labels or a regressor; this "
+                         f"model's head is {head.kind}" + (f" with {len(head.labels)} labels" if head.labels else ""))
+    single = next((i for i, p in enumerate(pairs) if not isinstance(p, (tuple, list)) or len(p) != 2), None)
+    if single is not None:
+        raise ValueError(f"input {single} is not a pair of texts: a relevance score is of a (text, text) pair")
+    logits, feats = _run(model, tokenizer, pairs, batch_size)
+    values = logits[:, 0] if head.kind == "regress" else logits.softmax(-1)[:, 1]
+    tokens = [sum(map(len, x)) if isinstance(x, tuple) else len(x) for x in feats.ids]
+    return _mark_cut([{"score": float(v), "tokens": n} for v, n in zip(values, tokens)], feats)
 
 
 def write_glue_predictions(model, tokenizer, data_dir, out_dir, batch_size: int = 64) -> list[Path]:
@@ -371,10 +411,8 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
         data = load_user(files.train if "train" in splits else None, files.dev, files.text_column, files.pair_column,
                          files.label_column, regress=name.lower() == "regress", dev_fraction=options.dev_fraction,
                          kind=head.kind if head else None, labels=head.labels if head else None)
-    elif files.data is None:
-        raise ValueError(f"GLUE task {name!r} needs its data folder (--data glue/{glue_task(name).folder})")
     else:
-        data = load_glue(name, files.data, splits, options.dev_fraction)
+        data = load_glue(name, files.data, splits, options.dev_fraction, files.dev)
     if head is not None and (data.kind != head.kind or (data.labels and data.labels != head.labels)):
         raise ValueError(f"the model predicts {head.kind} {head.labels or ''} (task {head.task!r}); "
                          f"the data is {data.kind} {data.labels or ''} (task {data.name!r})")

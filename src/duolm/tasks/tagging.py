@@ -98,25 +98,27 @@ def tag_scheme(sentences: list[Sentence], path="") -> str:
     return "IOB1" if i_start else "IOB2"
 
 
-def tag_labels(train: list[Sentence], dev: list[Sentence], path="") -> list[str]:
-    """The tag set of the training sentences ("O" first); a dev tag not among them is an error."""
-    labels = sorted({t for s in train for t in s.tags or ()}, key=lambda t: (t != "O", t[2:], t))
-    known = set(labels)
+def tag_labels(train: list[Sentence], dev: list[Sentence], known: list[str] | None = None) -> list[str]:
+    """The tag set of the training sentences ("O" first), or `known` (a trained model's); a dev tag not among
+    them is an error."""
+    labels = known or sorted({t for s in train for t in s.tags or ()}, key=lambda t: (t != "O", t[2:], t))
     for s in dev:
-        bad = [t for t in s.tags or () if t not in known]
+        bad = [t for t in s.tags or () if t not in labels]
         if bad:
             raise ValueError(f"{s.where}: tag {bad[0]!r} was not seen in training (tags: {', '.join(labels)})")
     return labels
 
 
 def read(name: str, files: Files, splits, options, head: HeadConfig | None = None) -> Data:
-    """conll2003: its folder (eng.train, and eng.testa: its dev set); ner: CoNLL-format --train / --dev files (or
-    the last dev_fraction of the training sentences). A trained model's data must use its tags."""
+    """conll2003: its folder (eng.train, and eng.testa: its dev set unless --dev names another file, which alone
+    is enough to score a model); ner: CoNLL-format --train / --dev files (or the last dev_fraction of the training
+    sentences). A trained model's data must use its tags."""
     train_file, dev_file, notes = files.train, files.dev, []
-    if name.lower() == "conll2003":
-        if files.data is None:
-            raise ValueError("task 'conll2003' needs its folder (--data conll2003/, with eng.train and eng.testa)")
+    if name.lower() == "conll2003" and files.data is not None:
         train_file, dev_file = Path(files.data) / "eng.train", dev_file or Path(files.data) / "eng.testa"
+    elif name.lower() == "conll2003" and (dev_file is None or "train" in splits):
+        raise ValueError("task 'conll2003' needs its folder (--data conll2003/, with eng.train and eng.testa), "
+                         "or a --dev file to score")
     elif files.data is not None:
         train_file = train_file or files.data
     need_train = "train" in splits or (dev_file is None and options.dev_fraction)
@@ -130,7 +132,7 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
     if "dev" in splits and not dev:
         raise ValueError(f"task {name!r} has no dev set: give a dev file or a dev fraction")
     scheme = tag_scheme(train + dev)
-    labels = head.labels if head is not None else tag_labels(train, dev)
+    labels = tag_labels(train, dev, head.labels if head is not None else None)
     repaired = sum(invalid_starts(s.tags or []) for s in train + dev) if scheme != "IOB1" else 0
     notes.append(f"tag scheme {scheme}" + (f"; {repaired} chunk(s) start with I- or E-, read as starts as conlleval "
                                            f"does" if repaired else ""))
