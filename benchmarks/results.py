@@ -366,7 +366,7 @@ def _reference_row(rec: dict) -> str:
 # --- the speed tables -----------------------------------------------------------------------------------------
 
 HEADLINE = ("gpt2-infer", "bert-infer", "gpt2-train", "bert-train", "decode-b1-ctranslate2", "decode-b8-ctranslate2",
-            "finetune-sst2", "gpu-gpt2-train")          # README.md's rows; docs/benchmarks.md has them all
+            "finetune-sst2", "gpu-gpt2-train", "gpu-decode-bf16-b1")          # README.md's rows; docs/benchmarks.md has them all
 GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, precision)
     "gpt2-train": ("GPT-2 124M training step, 16x1024, compiled, fused AdamW, clip 1.0 (nanoGPT's settings)",
                    "python benchmarks/gpu.py --cases gpt2-train", "bf16"),
@@ -378,13 +378,16 @@ GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, 
                   "fp32"),
     "decode-b64": ("GPT-2 124M greedy decoding, 32 + 128 tokens, batch 64", "python benchmarks/gpu.py --cases decode",
                    "fp32"),
+    **{f"decode-{p}-b{B}": (f"GPT-2 124M greedy decoding, 32 + 128 tokens, batch {B}, generate(compile=True)",
+                            "python benchmarks/gpu.py --cases decode", p) for p in ("bf16", "fp32") for B in (1, 64)},
 }
+GPU_FILES = ("gpu-h200.json", "gpu-h100.json")     # oldest first: a key's newest row is the README's
 
 
 def speed_rows(results: Path = RESULTS) -> list[dict]:
-    """Every speed figure: results/speed-cpu.json's rows, then results/gpu-h200.json's in the same form."""
+    """Every speed figure: results/speed-cpu.json's rows, then the GPU files' (GPU_FILES) in the same form."""
     rows = json.loads((results / "speed-cpu.json").read_text())["rows"]
-    return rows + gpu_rows(json.loads((results / "gpu-h200.json").read_text()))
+    return rows + [row for name in GPU_FILES for row in gpu_rows(json.loads((results / name).read_text()))]
 
 
 def gpu_rows(rec: dict) -> list[dict]:
@@ -393,12 +396,23 @@ def gpu_rows(rec: dict) -> list[dict]:
     rows = []
     for case in rec["cases"]:
         what, command, precision = GPU_CASES[case["case"]]
+        same = case.get("same_ids")
+        same = all(same.values()) if isinstance(same, dict) else same
+        bound = (f"{case['share_of_bound']:.0%} of the bandwidth bound ({_rate(case['bound_tokens_per_s'])})"
+                 if "share_of_bound" in case else None)
         rows.append({"key": "gpu-" + case["case"], "what": what, "command": command, "precision": precision,
                      "duolm": _figure(case, "duolm"), "reference": "transformers",
-                     "reference_figure": _figure(case, "transformers"),
-                     "ratio": round(case["ratio"], 2), "note": "the same ids" if case.get("same_ids") else None, **at})
+                     "reference_figure": _figure(case, "transformers"), "ratio": round(case["ratio"], 2),
+                     "note": "; ".join(n for n in (bound, "the same ids" if same else None) if n) or None, **at})
     serve = rec["serve"]
     command = rec["runs"][serve["run"]]
+    for clients, rate in serve.get("duolm_serve_compile_tokens_per_s", {}).items():
+        rows.append({"key": f"gpu-serve-compile-{clients}", "command": command, "precision": "fp32",
+                     "duolm": _rate(rate), "what": f"duolm serve --compile, GPT-2 124M, {serve['requests']} greedy "
+                     f"requests of ~{serve['prompt_tokens_mean']} + {serve['new_tokens']} tokens, clients: {clients}",
+                     "reference": "duolm serve", "ratio": round(rate / serve["duolm_serve_tokens_per_s"][clients], 2),
+                     "reference_figure": _rate(serve["duolm_serve_tokens_per_s"][clients]),
+                     "note": "aggregate tokens/s", **at})
     for clients, rate in serve["duolm_serve_tokens_per_s"].items():
         ratio = serve.get(f"aggregate_{clients}_vs_1")
         rows.append({"key": f"gpu-serve-{clients}", "command": command, "precision": "fp32", "duolm": _rate(rate),
@@ -413,6 +427,7 @@ def gpu_rows(rec: dict) -> list[dict]:
 def _figure(case: dict, side: str) -> str:
     """One side's tokens/s in a case of benchmarks/gpu.py, and its MFU where the case has one."""
     mfu = case.get(f"{side}_mfu")
+    side = "duolm_compiled" if f"{side}_tokens_per_s" not in case else side     # decode: generate(compile=True)
     return _rate(case[f"{side}_tokens_per_s"]) + (f", {mfu:.1%} MFU" if mfu is not None else "")
 
 
