@@ -198,8 +198,9 @@ def run_all(args, model, tok, prompts, tmp, clients):
                 threads)]
     if args.batch_invariant:
         servers.append(("duolm serve --batch-invariant", servers[0][1] + ["--batch-invariant"], "gpt2-124m", threads))
-    if args.compile:
+    if args.compile:            # "duolm serve" is then the eager one (on a GPU it compiles by default)
         servers.append(("duolm serve --compile", servers[0][1] + ["--compile"], "gpt2-124m", threads))
+        servers[0][1].append("--no-compile")
     if not args.no_transformers and args.device == "cpu":
         try:
             import accelerate  # noqa: F401  (transformers serve needs it on CPU)

@@ -2,6 +2,7 @@
 every training command shows, and bars opened on demand."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import typing
 
@@ -29,7 +30,10 @@ def add_options(parser, cls) -> None:
     """One --flag per field of dataclass `cls` (see _flagged), defaults and help from the fields."""
     for name, kind, default, meta in _flagged(cls):
         flag = "--" + name.replace("_", "-")
-        if kind is bool:
+        if kind is bool and default is None:                   # unset = decided later: --flag / --no-flag
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                                help=meta.get("help"))
+        elif kind is bool:
             flag = flag if not default else "--no-" + flag[2:]
             parser.add_argument(flag, dest=name, action="store_false" if default else "store_true",
                                 help=meta.get("help"))

@@ -50,10 +50,10 @@ class ServeConfig:
     batch_invariant: bool = field(default=False, metadata={
         "help": "decode each sequence alone: tokens and log-probabilities bitwise the same whatever runs beside "
                 "it (one forward per sequence and step instead of one per step)"})
-    compile: bool = field(default=False, metadata={
+    compile: bool | None = field(default=None, metadata={
         "help": "decode GPT-2 through one static-shape step compiled with torch.compile, a CUDA graph on GPUs, per "
-                "batch size bucket (1, 2, 4, ...): the first batches of each size pay the compilation (GET /metrics: "
-                "compile_s); faster on GPUs, see docs/benchmarks.md for the CPU"})
+                "batch size bucket (1, 2, 4, ...); the first batches of each size pay the compilation (GET /metrics: "
+                "compile_s). Default: on with --device cuda (several times faster there), off on the CPU (no faster)"})
     precision: str = field(default="auto", metadata={
         "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the CPU's fastest kernels (oneDNN on "
                 "non-Intel x86); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
