@@ -74,6 +74,28 @@ def test_lr_schedule_worked_example():
         lr_at(0, 1.0, 0, 10, "exp")
 
 
+def test_memory_estimate_worked_example():
+    """N = 10,000 parameters, 2 blocks of 12 * 10^2 = 1,200 (so a root of 7,600), vocab 100, micro-batches of 3 x 8 =
+    24 tokens; a block keeps 17 * 10 = 170 values a token, the head 3 x 4 bytes a logit."""
+    from duolm.train.memory import Memory, estimate_memory
+
+    def est(**kw):
+        return estimate_memory(10_000, 2, 10, 2, 100, 8, 3, **kw)
+    act = 24 * (2 * 170 * 4 + 12 * 100)                                         # 61,440
+    assert est() == Memory(40_000, 40_000, 80_000, act)
+    assert est(world=2) == Memory(40_000, 80_000, 80_000, act)                  # + DDP's buckets
+    # FSDP over 4: a quarter of each, plus the gathered root (7,600) and two blocks, the root's and a block's gradients
+    assert est(parallel="fsdp", world=4) == Memory(10_000 + 4 * (7_600 + 2_400), 10_000 + 4 * (7_600 + 1_200),
+                                                   20_000, act)
+    assert est(parallel="fsdp", world=4, precision="bf16") == Memory(10_000 + 2 * (7_600 + 2_400),
+                                                                     10_000 + 4 * (7_600 + 1_200), 20_000,
+                                                                     24 * (2 * 170 * 2 + 12 * 100))
+    assert est(activation_checkpointing=True).activations == 24 * ((2 * 10 + 170) * 4 + 12 * 100)
+    assert est(dropout=True).activations == 24 * (2 * (170 + 2 * 8) * 4 + 12 * 100)   # + H x T attention weights
+    assert est().total == 221_440 and str(est()) == ("parameters 0.0 MB, gradients 0.0 MB, optimizer 0.1 MB, "
+                                                     "activations 0.1 MB; 0.2 MB in all")
+
+
 def test_weight_decay_groups():
     model = tiny_gpt2()
     decay, no_decay = param_groups(model, 0.1)
@@ -432,6 +454,9 @@ def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path):
     p = _pretrain(gpt2_data, tmp_path / "run", "--max-steps", "2", "--precision", "auto")
     auto = resolve("auto", "cpu", training=True)
     assert f"parameters on cpu in {auto}" in p.stdout, p.stdout
+    # the step laid out over the processes, and the memory estimate a process
+    assert "\n1 process(es): 8 sequences each a step in 4 micro-batch(es) of 2; memory a process (estimate): " \
+        "parameters " in p.stdout, p.stdout
     assert json.loads((tmp_path / "run" / "checkpoint.json").read_text())["precision"] == auto
 
 

@@ -324,7 +324,8 @@ class _Run:
                 sink.close()
 
 
-def _micro_batch_size(cfg: TrainConfig, world: int) -> int:
+def micro_batch_size(cfg: TrainConfig, world: int) -> int:
+    """Sequences a forward on each of `world` processes; a ValueError where the batch does not divide."""
     per_rank = cfg.batch_size // world
     if per_rank * world != cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {world}")
@@ -355,7 +356,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     """
     rank, world = _world()
     device = next(model.parameters()).device
-    micro = _micro_batch_size(cfg, world)
+    micro = micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)
     fwd = wrap(model, cfg.parallel, world, device, precision)
     fwd = torch.compile(fwd) if cfg.compile else fwd
