@@ -80,6 +80,41 @@ def test_malicious_train_state_is_refused_in_one_line(tmp_path):
     assert f"{state}: refused as unsafe" in last and "weights_only=False" not in p.stderr
 
 
+def test_sharded_checkpoint_pickles_are_refused(tmp_path, capsys):
+    """A sharded checkpoint (DCP) reads back whole in one process, model and optimizer; DCP pickles its .metadata
+    and its non-tensor values: a .metadata that would run code, or an optimizer value that would, is refused in
+    one line, nothing run."""
+    import pickle
+
+    from duolm.train.optim import make_optimizer
+    from duolm.train.parallel import load_shards, save_shards
+
+    model = GPT2(GPT2Config.preset("tiny"))
+    adamw = make_optimizer(model, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    model(torch.randint(0, 100, (2, 8))).sum().backward()
+    adamw.step()
+    duolm.save(model, tmp_path / "ckpt", weights=False)
+    save_shards(model, adamw, tmp_path / "ckpt" / "shards")
+    loaded, _ = duolm.load(tmp_path / "ckpt")
+    assert all(torch.equal(v, loaded.state_dict()[k]) for k, v in model.state_dict().items())
+    again = GPT2(GPT2Config.preset("tiny"))
+    adamw_again = make_optimizer(again, 1e-3, 0.1, (0.9, 0.95), 1e-8)
+    load_shards(again, adamw_again, tmp_path / "ckpt" / "shards")
+    for p, q in zip(model.parameters(), again.parameters()):
+        assert torch.equal(p, q) and all(torch.equal(adamw.state[p][k], adamw_again.state[q][k]) for k in adamw.state[p])
+    metadata = tmp_path / "ckpt" / "shards" / ".metadata"
+    good = metadata.read_bytes()
+    metadata.write_bytes(pickle.dumps(Exec()))
+    _fails(["convert", tmp_path / "ckpt", tmp_path / "out"], capsys, f"{metadata}: refused as unsafe")
+    metadata.write_bytes(good)
+    # an optimizer hyperparameter that would run code, as DCP would store it (torch.save of the value)
+    adamw.param_groups[0]["eps"] = Exec()
+    save_shards(model, adamw, tmp_path / "evil")
+    with pytest.raises(ValueError, match="refused as unsafe"):
+        load_shards(again, adamw_again, tmp_path / "evil")
+    assert not (tmp_path / "PWNED").exists() and not Path("PWNED").exists()
+
+
 # --- issue: safetensors headers ------------------------------------------------------------------
 
 def _safetensors(path: Path, header: bytes, body: bytes = b"") -> Path:

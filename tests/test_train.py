@@ -74,6 +74,28 @@ def test_lr_schedule_worked_example():
         lr_at(0, 1.0, 0, 10, "exp")
 
 
+def test_memory_estimate_worked_example():
+    """N = 10,000 parameters, 2 blocks of 12 * 10^2 = 1,200 (so a root of 7,600), vocab 100, micro-batches of 3 x 8 =
+    24 tokens; a block keeps 17 * 10 = 170 values a token, the head 3 x 4 bytes a logit."""
+    from duolm.train.memory import Memory, estimate_memory
+
+    def est(**kw):
+        return estimate_memory(10_000, 2, 10, 2, 100, 8, 3, **kw)
+    act = 24 * (2 * 170 * 4 + 12 * 100)                                         # 61,440
+    assert est() == Memory(40_000, 40_000, 80_000, act)
+    assert est(world=2) == Memory(40_000, 80_000, 80_000, act)                  # + DDP's buckets
+    # FSDP over 4: a quarter of each, plus the gathered root (7,600) and two blocks, the root's and a block's gradients
+    assert est(parallel="fsdp", world=4) == Memory(10_000 + 4 * (7_600 + 2_400), 10_000 + 4 * (7_600 + 1_200),
+                                                   20_000, act)
+    assert est(parallel="fsdp", world=4, precision="bf16") == Memory(10_000 + 2 * (7_600 + 2_400),
+                                                                     10_000 + 4 * (7_600 + 1_200), 20_000,
+                                                                     24 * (2 * 170 * 2 + 12 * 100))
+    assert est(activation_checkpointing=True).activations == 24 * ((2 * 10 + 170) * 4 + 12 * 100)
+    assert est(dropout=True).activations == 24 * (2 * (170 + 2 * 8) * 4 + 12 * 100)   # + H x T attention weights
+    assert est().total == 221_440 and str(est()) == ("parameters 0.0 MB, gradients 0.0 MB, optimizer 0.1 MB, "
+                                                     "activations 0.1 MB; 0.2 MB in all")
+
+
 def test_weight_decay_groups():
     model = tiny_gpt2()
     decay, no_decay = param_groups(model, 0.1)
@@ -134,6 +156,32 @@ def test_accumulation_equals_one_big_batch():
     model = tiny_gpt2()
     naive = sum(causal_lm_loss(model(data["x"][i:i + 4]), {"y": data["y"][i:i + 4]})[0] for i in (0, 4, 8, 12)) / 4
     assert abs(float(naive.detach()) - l1[0]) > 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_run_holding_less():
+    """--activation-checkpointing: the same losses, gradient norms and weights bit for bit (dropout on: its masks are
+    replayed in the recomputation), while a forward keeps under half the bytes for the backward pass; the blocks are
+    as before afterwards."""
+    from duolm.train.parallel import activation_checkpointing
+
+    results = {}
+    for on in (False, True):
+        model = tiny_gpt2(dropout=0.1)
+        cfg = TrainConfig(max_steps=3, batch_size=8, lr=3e-3, warmup_steps=1, precision="fp32",
+                          activation_checkpointing=on)
+        rows = train(model, CAUSAL_LM, Windows(), cfg)["rows"]
+        results[on] = (_losses(rows), [r["grad_norm"] for r in rows], model.state_dict())
+        assert all("forward" not in vars(block) for block in model.h)
+    assert results[True][:2] == results[False][:2]
+    assert all(torch.equal(results[True][2][k], w) for k, w in results[False][2].items())
+
+    def saved_bytes(on):
+        model, held = tiny_gpt2(dropout=0.1).train(), []
+        with activation_checkpointing(model, on), torch.autograd.graph.saved_tensors_hooks(
+                lambda t: held.append(t.numel() * t.element_size()) or t, lambda t: t):
+            model(Windows().batch(0, 8)["x"])
+        return sum(held)
+    assert saved_bytes(True) < saved_bytes(False) / 2, (saved_bytes(True), saved_bytes(False))
 
 
 def test_nonfinite_step_is_skipped():
@@ -329,8 +377,7 @@ def gpt2_data(tmp_path_factory):
 
 def _pretrain_command(data, run, *extra, launcher=(), crash=None):
     """(command, environment) of a tiny `duolm pretrain gpt2` of 12 steps (extra flags override)."""
-    start = [sys.executable, str(ROOT / "tests" / "crash_at.py"), crash] if crash else \
-        [*(launcher or [sys.executable]), "-m", "duolm"]
+    start = [*(launcher or [sys.executable]), *([str(ROOT / "tests" / "crash_at.py"), crash] if crash else ["-m", "duolm"])]
     cmd = [*start, "pretrain", "gpt2", "--data", str(data), "-o", str(run),
            "--preset", "tiny", "--block-size", "32", "--batch-size", "8", "--micro-batch-size", "2",
            "--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--checkpoint-every", "2",
@@ -351,8 +398,12 @@ def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
 
 
 def _weights(ckpt):
+    """A checkpoint's weights: its model.safetensors, or a sharded one's as duolm.load reads them (one process)."""
     from safetensors.torch import load_file
-    return load_file(str(ckpt / "model.safetensors"))
+
+    import duolm
+    return load_file(str(ckpt / "model.safetensors")) if (ckpt / "model.safetensors").exists() else \
+        duolm.load(ckpt)[0].state_dict()
 
 
 def test_sigkill_anywhere_then_resume_is_exact(gpt2_data, tmp_path):
@@ -403,6 +454,9 @@ def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path):
     p = _pretrain(gpt2_data, tmp_path / "run", "--max-steps", "2", "--precision", "auto")
     auto = resolve("auto", "cpu", training=True)
     assert f"parameters on cpu in {auto}" in p.stdout, p.stdout
+    # the step laid out over the processes, and the memory estimate a process
+    assert "\n1 process(es): 8 sequences each a step in 4 micro-batch(es) of 2; memory a process (estimate): " \
+        "parameters " in p.stdout, p.stdout
     assert json.loads((tmp_path / "run" / "checkpoint.json").read_text())["precision"] == auto
 
 
@@ -436,29 +490,113 @@ def _torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(n)]
 
 
-def test_fsdp_matches_one_process_and_resumes_at_any_world_size(gpt2_data, tmp_path):
-    """FSDP2 (gloo, CPU) on 2 processes gives one process's losses and weights within 1e-5 (gradients averaged over
-    the processes, not summed); a run resumes at another process count and kind — fsdp 2 -> fsdp 3 -> one process,
-    ddp 2 -> fsdp 2 — with the global batch unchanged, and its losses continue as the uninterrupted run's."""
-    batch = ("--batch-size", "12", "--micro-batch-size", "2", "--decay", "constant")   # (a schedule that does not
-    _pretrain(gpt2_data, tmp_path / "one", *batch)                                      # depend on --max-steps)
-    fsdp = _pretrain(gpt2_data, tmp_path / "fsdp", *batch, "--parallel", "fsdp", launcher=_torchrun(2))
+_BATCH = ("--batch-size", "12", "--micro-batch-size", "2", "--decay", "constant")   # (a schedule that does not
+                                                                                 # depend on --max-steps)
+
+@pytest.fixture(scope="module")
+def fsdp_runs(gpt2_data, tmp_path_factory):
+    """12 steps in one process (runs/one) and under FSDP2 on 2 processes (runs/fsdp)."""
+    root = tmp_path_factory.mktemp("runs")
+    _pretrain(gpt2_data, root / "one", *_BATCH)
+    fsdp = _pretrain(gpt2_data, root / "fsdp", *_BATCH, "--parallel", "fsdp", launcher=_torchrun(2))
     assert fsdp.stdout.count("done at step 12") == 1
-    legs = {"a": [(2, "fsdp", 6), (3, "fsdp", 9), (1, "fsdp", 12)], "b": [(2, "ddp", 6), (2, "fsdp", 12)]}
+    return root
+
+
+def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_data, tmp_path):
+    """FSDP2 (gloo, CPU) on 2 processes gives one process's losses and weights within 1e-5 (gradients averaged over
+    the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run killed
+    inside a sharded save resumes from the last complete checkpoint, and a run resumes at another process count and
+    kind — fsdp 2 -> fsdp 3 -> one process, ddp 2 -> fsdp 2 -> ddp 2 — with the global batch unchanged, and its
+    losses continue as the uninterrupted run's."""
+    ckpt = fsdp_runs / "fsdp" / "ckpt-00000012"
+    assert sorted(p.name for p in ckpt.iterdir() if "model" in p.name or p.is_dir()) == ["shards"]
+    assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # rank 0 killed inside the save of step 6, every shard written: the manifest still names step 4
+    a = tmp_path / "a"
+    p = _pretrain(gpt2_data, a, *_BATCH, "--parallel", "fsdp", crash="6:save", launcher=_torchrun(2), check=False)
+    assert p.returncode != 0 and json.loads((a / "checkpoint.json").read_text())["step"] == 4, p.stdout + p.stderr
+    assert (a / ".tmp-ckpt-00000006" / "shards" / ".metadata").is_file()
+    legs = {"a": [(3, "fsdp", 9), (1, "fsdp", 12)], "b": [(2, "ddp", 4), (2, "fsdp", 8), (2, "ddp", 12)]}
     for name, runs_ in legs.items():
         for n, parallel, steps in runs_:
-            _pretrain(gpt2_data, tmp_path / name, *batch, "--parallel", parallel, "--max-steps", str(steps), "--resume",
-                      launcher=_torchrun(n) if n > 1 else ())
-    want = _losses(read_metrics(tmp_path / "one"))
-    w1 = _weights(tmp_path / "one" / "ckpt-00000012")
-    for run in ("fsdp", "a", "b"):
-        rows = read_metrics(tmp_path / run)
+            _pretrain(gpt2_data, tmp_path / name, *_BATCH, "--parallel", parallel, "--max-steps", str(steps),
+                      "--resume", launcher=_torchrun(n) if n > 1 else ())
+    want = _losses(read_metrics(fsdp_runs / "one"))
+    w1 = _weights(fsdp_runs / "one" / "ckpt-00000012")
+    for run in (fsdp_runs / "fsdp", a, tmp_path / "b"):
+        rows = read_metrics(run)
         assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13)), run
         assert _losses(rows) == pytest.approx(want, abs=1e-5, rel=0), run
         # the weights to 3e-5: the keys' bias gets gradients of ~0 (softmax ignores it), whose rounding AdamW
         # scales up to steps of ~lr
-        w = _weights(tmp_path / run / "ckpt-00000012")
+        w = _weights(run / "ckpt-00000012")
         assert w.keys() == w1.keys() and all(torch.allclose(w1[k], w[k], atol=3e-5, rtol=0) for k in w1), run
+    assert not list(a.glob(".tmp-*"))
+
+
+def test_fsdp_bf16_computes_with_bf16_parameters_and_keeps_fp32_shards():
+    """FSDP2 under precision bf16 (MixedPrecisionPolicy): the forward computes with bf16 parameters, the shards and
+    their gradients stay fp32; under fp32 all is fp32. (A process group of one: the policy is the same at any size.)"""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from duolm.train.parallel import shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for precision, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+            model, seen = shard(tiny_gpt2(), init_device_mesh("cpu", (1,)), precision), []
+            model.h[0].mlp.c_fc.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+            model(Windows().batch(0, 2)["x"]).float().sum().backward()
+            assert seen == [dtype]
+            assert {p.dtype for p in model.parameters()} == {p.grad.dtype for p in model.parameters()} == {torch.float32}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_bf16_with_activation_checkpointing_runs_as_one_process(gpt2_data, tmp_path):
+    """--precision bf16 under FSDP2 on 2 processes (gloo gathers the bf16 parameters), with --activation-checkpointing:
+    the losses are one process's bf16 autocast run's to bf16's rounding, the checkpointed weights fp32."""
+    bf16 = (*_BATCH, "--precision", "bf16", "--max-steps", "6")
+    _pretrain(gpt2_data, tmp_path / "one", *bf16)
+    _pretrain(gpt2_data, tmp_path / "fsdp", *bf16, "--parallel", "fsdp", "--activation-checkpointing",
+              launcher=_torchrun(2))
+    want, got = _losses(read_metrics(tmp_path / "one")), _losses(read_metrics(tmp_path / "fsdp"))
+    assert len(got) == 6 and max(abs(a - b) for a, b in zip(want, got)) < 2e-2, (want, got)
+    from torch.distributed.checkpoint import FileSystemReader
+    saved = FileSystemReader(tmp_path / "fsdp" / "ckpt-00000006" / "shards").read_metadata().state_dict_metadata
+    assert {m.properties.dtype for k, m in saved.items() if k.startswith("model.")} == {torch.float32}
+
+
+def test_sharded_checkpoint_converts_to_hf_and_a_broken_shard_is_one_line(fsdp_runs, tmp_path, capsys):
+    """`duolm convert` of an FSDP run's sharded checkpoint writes an HF directory whose transformers logits are
+    duolm.load's of the sharded checkpoint within 1e-5; a shard cut short or missing is a one-line error naming it."""
+    import shutil
+
+    import transformers
+
+    import duolm
+    from duolm.cli import main
+
+    ckpt = fsdp_runs / "fsdp" / "ckpt-00000012"
+    main(["convert", str(ckpt), str(tmp_path / "hf"), "--to", "hf"])
+    ours, _ = duolm.load(ckpt)
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, ours.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx), atol=1e-5, rtol=0)
+    broken = tmp_path / "broken"
+    shutil.copytree(ckpt, broken)
+    shard = broken / "shards" / "__1_0.distcp"
+    capsys.readouterr()
+    for damage, says in ((lambda: os.truncate(shard, shard.stat().st_size // 2), "cut short"),
+                         (shard.unlink, "missing")):
+        damage()
+        with pytest.raises(SystemExit) as e:
+            main(["convert", str(broken), str(tmp_path / "out")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1 and f"{shard}: {says}" in err, err
 
 
 # --- tiny models learn real text (through `duolm pretrain`, in process) --------------------------------

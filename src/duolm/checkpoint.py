@@ -6,6 +6,8 @@ A duolm model directory is self-describing (DESIGN.md, "Checkpoints describe the
                          "config": {...dataclass fields...}, "heads": true | false (bert only),
                          "head": {...HeadConfig: kind, labels, ...} (fine-tuned models only)}
     model.safetensors   the unwrapped module's state dict; a tied tensor is stored once
+    or shards/          the same, sharded (torch.distributed.checkpoint, as every process of an FSDP run writes its
+                        part; duolm.dcp), beside the optimizer's state; read here whole in one process
     vocab.json + merges.txt (+ special tokens json)   byte-level BPE, or
     vocab.txt + tokenizer_config.json                  WordPiece
 
@@ -32,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save_file as _st_save_file
 
-from duolm import hub, runs
+from duolm import dcp, hub, runs
 from duolm.convert import hf as _hf
 from duolm.convert import tf as _tf
 from duolm.fileio import atomic_write, read_json, write_json
@@ -46,6 +48,7 @@ FORMAT = "duolm"
 FORMAT_VERSION = 1
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+SHARDS = "shards"
 HF_WEIGHTS_INDEX = "model.safetensors.index.json"
 HF_BIN = "pytorch_model.bin"
 HF_BIN_INDEX = "pytorch_model.bin.index.json"
@@ -139,9 +142,14 @@ def _load_native(path: Path, cfg: dict):
     else:
         raise ValueError(f"{path / CONFIG}: family {family!r} is not supported; supported: 'gpt2', 'bert'")
     weights = path / WEIGHTS
-    if not weights.is_file():
-        raise FileNotFoundError(f"{path}: missing {WEIGHTS} (a duolm model directory holds {CONFIG} + {WEIGHTS})")
-    _load_state(model, _read_safetensors(weights), str(weights))
+    if weights.is_file():
+        _load_state(model, _read_safetensors(weights), str(weights))
+    elif (path / SHARDS).is_dir():
+        state = {"model": model.state_dict()}          # the model's own tensors, filled in place
+        dcp.read(state, path / SHARDS)
+    else:
+        raise FileNotFoundError(f"{path}: missing {WEIGHTS} (a duolm model directory holds {CONFIG} + {WEIGHTS}, "
+                                f"or {SHARDS}/)")
     return model
 
 
@@ -336,10 +344,11 @@ def _load_state(model, sd: dict, source: str, optional=()):
 
 # --- save --------------------------------------------------------------------------------------
 
-def save(model, path, tokenizer=None, format="duolm", state: dict | None = None):
+def save(model, path, tokenizer=None, format="duolm", state: dict | None = None, weights: bool = True):
     """Save `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads) and optionally its
     tokenizer into directory `path`; `state`: the state dict to write instead of model.state_dict() (a sharded
-    model's, gathered whole: duolm.train.parallel.model_state).
+    model's, gathered whole: duolm.train.parallel.model_state); weights=False: all but the weights (a sharded
+    checkpoint's, whose processes write them into SHARDS/: duolm.train.parallel.save_shards).
 
     format="duolm": config.json + model.safetensors + the tokenizer's files (see the module doc).
     format="hf": a directory transformers loads: config.json (GPT2LMHeadModel, BertModel, or
@@ -351,6 +360,8 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None)
     """
     if format not in ("duolm", "hf"):
         raise ValueError(f"format must be 'duolm' or 'hf', got {format!r}")
+    if not weights and format != "duolm":
+        raise ValueError("weights=False writes a sharded checkpoint's files, in the duolm format only")
     model = _unwrap(model)
     if any(isinstance(m, SWAPPED) for m in model.modules()):
         raise ValueError("the model is quantized for inference (duolm.precision.quantize): its linears hold the "
@@ -360,8 +371,8 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{path}: exists and is not a directory")
     path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.detach() for k, v in (model.state_dict() if state is None else state).items()}  # to CPU only after
-    # ties are found
+    sd = {k: v.detach() for k, v in (model.state_dict() if state is None else state).items()} if weights else {}
+    # (to CPU only after ties are found)
     if format == "duolm":
         config = {"format": FORMAT, "format_version": FORMAT_VERSION, "family": family,
                   "config": asdict(model.config)}
@@ -369,7 +380,8 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None)
             config["heads"] = heads
         if isinstance(model, HEAD_MODELS):
             config["head"] = asdict(model.head)
-        _save_safetensors(sd, path / WEIGHTS)
+        if weights:
+            _save_safetensors(sd, path / WEIGHTS)
         if tokenizer is not None:
             _save_tokenizer(tokenizer, path)
         write_json(path / CONFIG, config)

@@ -1,7 +1,9 @@
 """The run directory, one owner: its manifest, its checkpoint folders, its metrics log (stdlib only).
 
     RUN/checkpoint.json    {"latest": "ckpt-00000100", "step": 100, "checkpoints": [...], "best": {...}}
-    RUN/ckpt-00000100/     a model directory (config.json, model.safetensors, tokenizer) + train_state.pt
+    RUN/ckpt-00000100/     a model directory (config.json, model.safetensors, tokenizer) + train_state.pt; a
+                           sharded run's holds shards/ instead of model.safetensors: its processes' parts of the
+                           model and optimizer state, each written by its process into the same temp folder
     RUN/best/              the best model so far by a chosen metric (fine-tuning), when asked for
     RUN/metrics.jsonl      one JSON object per logged step
     RUN/tb/, RUN/loss.png  TensorBoard events and the loss curve (written by duolm.train.logs)
@@ -56,6 +58,12 @@ def ckpt_name(step: int) -> str:
     return f"ckpt-{step:08d}"
 
 
+def staging(run_dir, step: int) -> Path:
+    """RUN/.tmp-ckpt-<step>: where checkpoint `step` is written before save_checkpoint renames it into place (the
+    other processes of a sharded run write their parts there while save_checkpoint's `write` runs)."""
+    return Path(run_dir) / (".tmp-" + ckpt_name(step))
+
+
 def is_run(path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
@@ -66,9 +74,9 @@ def read_manifest(run_dir) -> dict | None:
     return read_json(path) if path.exists() else None
 
 
-def latest_checkpoint(run_dir, weights: str = "model.safetensors") -> Path:
-    """The newest complete checkpoint folder named by RUN/checkpoint.json. Should a named folder be
-    gone or lack its files, the next newest listed one is taken."""
+def latest_checkpoint(run_dir, weights=("model.safetensors", "shards/.metadata")) -> Path:
+    """The newest complete checkpoint folder named by RUN/checkpoint.json (config.json and one of `weights`).
+    Should a named folder be gone or lack its files, the next newest listed one is taken."""
     run_dir = Path(run_dir)
     manifest = read_json(run_dir / MANIFEST, "run manifest")
     listed = manifest.get("checkpoints", [])
@@ -79,10 +87,10 @@ def latest_checkpoint(run_dir, weights: str = "model.safetensors") -> Path:
         if Path(name).is_absolute() or ".." in Path(name).parts or "/" in name:
             raise ValueError(f"{run_dir / MANIFEST}: checkpoint name {name!r} points outside the run directory")
         d = run_dir / name
-        if (d / "config.json").is_file() and (d / weights).is_file():
+        if (d / "config.json").is_file() and any((d / w).is_file() for w in weights):
             return d
     raise FileNotFoundError(f"{run_dir / MANIFEST}: names no complete checkpoint (tried {names or 'none'}; "
-                            f"each needs config.json and {weights})")
+                            f"each needs config.json and {' or '.join(weights)})")
 
 
 def save_checkpoint(run_dir, step: int, write: Callable[[Path], None], keep_last: int = 3,
@@ -94,7 +102,7 @@ def save_checkpoint(run_dir, step: int, write: Callable[[Path], None], keep_last
     disk, say) the temp folder is removed and the previous checkpoint stays the latest."""
     run_dir = Path(run_dir)
     name = ckpt_name(step)
-    tmp, final = run_dir / (".tmp-" + name), run_dir / name
+    tmp, final = staging(run_dir, step), run_dir / name
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)

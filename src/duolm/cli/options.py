@@ -84,11 +84,12 @@ class Progress:
     def __init__(self, name: str, total: int, quiet: bool, perplexity: bool = False):
         self.name, self.total, self.quiet, self.perplexity, self.bar = name, total, quiet, perplexity, None
 
-    def start(self, model, device, step, precision):
+    def start(self, model, device, step, precision, layout):
         from tqdm import tqdm
 
         print(f"{self.name}: {model.num_params():,} parameters on {device} in {precision}"
               + (f"; resuming at step {step}" if step else ""))
+        print(layout)
         self.bar = tqdm(total=self.total, initial=step, unit="step", dynamic_ncols=True, disable=self.quiet)
 
     def __call__(self, row):

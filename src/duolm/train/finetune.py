@@ -44,7 +44,7 @@ FINETUNE_LOOP = TrainConfig(batch_size=32, weight_decay=0.01, betas=(0.9, 0.999)
 LOOP_OPTIONS = {"batch_size": "examples per optimizer step", "micro_batch_size": "examples per forward (default: "
                 "the whole batch)", "weight_decay": None, "grad_clip": None, "eval_every": "also validate every N "
                 "steps (0: after every epoch)", "seed": "first seed; seeds are seed, seed+1, ...", "compile": None,
-                "precision": None}
+                "precision": None, "activation_checkpointing": None}
 
 
 @dataclass

@@ -30,15 +30,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from duolm import runs
-from duolm.checkpoint import load, save
+from duolm.checkpoint import SHARDS, load, save
 from duolm.config import opt
 from duolm.fileio import write_error
 from duolm.objectives import Objective
 from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
-from duolm.train.parallel import (PARALLEL, load_model_state, load_optimizer_state, model_state, no_sync,
-                                  optimizer_state, wrap)
+from duolm.train.parallel import (PARALLEL, activation_checkpointing, load_model_state, load_optimizer_state,
+                                  load_shards, model_state, no_sync, save_shards, sharded, wrap)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -63,6 +63,8 @@ class TrainConfig:
     keep_last: int = opt(3, "checkpoints kept (the newest)")
     seed: int = opt(0, "seed of the weights, the data order and dropout")
     compile: bool = opt(False, "torch.compile the model for training")
+    activation_checkpointing: bool = opt(False, "keep each transformer block's input only and recompute its "
+                                         "activations in the backward pass: less memory, one more forward")
     parallel: str = opt("ddp", "with several processes (torchrun): ddp (a replica each) or fsdp (FSDP2: parameters, "
                         "gradients and optimizer state sharded over the processes)", choices=PARALLEL)
     precision: str = opt("auto", "arithmetic of training: bf16 autocast (fp32 weights, optimizer state and "
@@ -117,11 +119,15 @@ def _step_seed(seed: int, step: int, rank: int) -> int:
 # --- checkpoints ------------------------------------------------------------------------------
 
 def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer=None, keep_last: int = 3,
-                    best: dict | None = None, info: dict | None = None, model_state: dict | None = None) -> Path:
+                    best: dict | None = None, info: dict | None = None, model_state: dict | None = None,
+                    shards=None) -> Path:
     """RUN/ckpt-<step>/: the model directory plus train_state.pt, committed by duolm.runs (best, info: see
-    duolm.runs.save_checkpoint; model_state: a sharded model's state, gathered)."""
+    duolm.runs.save_checkpoint; model_state: a sharded model's state, gathered; shards(folder): writes the weights
+    (and the optimizer's state) as shards instead, at once with the other processes: duolm.train.parallel)."""
     def write(folder):
-        save(model, folder, tokenizer=tokenizer, state=model_state)
+        if shards is not None:
+            shards(folder / SHARDS)
+        save(model, folder, tokenizer=tokenizer, state=model_state, weights=shards is None)
         try:
             with open(folder / TRAIN_STATE, "wb") as f:
                 torch.save(state, f)
@@ -130,25 +136,32 @@ def save_checkpoint(run_dir, step: int, model: nn.Module, state: dict, tokenizer
     return runs.save_checkpoint(run_dir, step, write, keep_last, best, info)
 
 
-def load_train_state(run_dir, model: nn.Module) -> dict | None:
-    """Loads the newest complete checkpoint of a run into `model`; returns its train state (None: none yet)."""
+def load_train_state(run_dir, model: nn.Module, optimizer=None) -> dict | None:
+    """Loads the newest complete checkpoint of a run into `model` (and `optimizer`, unless None: a run's of any
+    kind and number of processes); returns its train state (None: no checkpoint yet)."""
     if runs.read_manifest(run_dir) is None:
         return None
     ckpt = runs.latest_checkpoint(run_dir)
-    saved, _ = load(ckpt)
-    try:
-        load_model_state(model, saved.state_dict())
-    except RuntimeError as e:
-        raise ValueError(f"{ckpt} does not fit this model (different config?): {e}") from None
     path = ckpt / TRAIN_STATE
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise ValueError(f"{path}: refused as unsafe: it holds more than tensors and plain values, and "
                          f"unpickling it could run code; duolm never loads such a file") from None
     except (RuntimeError, EOFError, OSError) as e:
         raise ValueError(f"{path}: not a readable training state ({type(e).__name__}); "
                          f"it may be truncated or corrupt") from None
+    if (ckpt / SHARDS).is_dir():
+        load_shards(model, optimizer, ckpt / SHARDS)
+        return state
+    saved, _ = load(ckpt)
+    try:
+        load_model_state(model, saved.state_dict())
+    except RuntimeError as e:
+        raise ValueError(f"{ckpt} does not fit this model (different config?): {e}") from None
+    if optimizer is not None:
+        load_optimizer_state(model, optimizer, state["optimizer"])
+    return state
 
 
 # --- evaluation -------------------------------------------------------------------------------
@@ -246,14 +259,13 @@ class _Progress:
 def _resume(run_dir, model: nn.Module, optimizer, precision: str) -> _Progress:
     """The run's newest checkpoint loaded into model and optimizer (a fresh _Progress where there is none).
     Resuming under another precision than the run's is a ValueError: it would not continue the run exactly."""
-    state = load_train_state(run_dir, model)
-    if state is None:
-        return _Progress()
     manifest = runs.read_manifest(run_dir) or {}
     if manifest.get("precision", precision) != precision:
         raise ValueError(f"{run_dir} was trained in {manifest['precision']}; resuming it in {precision} would not "
                          f"continue it exactly: resume with precision {manifest['precision']}")
-    load_optimizer_state(model, optimizer, state["optimizer"])
+    state = load_train_state(run_dir, model, optimizer)
+    if state is None:
+        return _Progress()
     return _Progress(state["step"], state["skipped"], state["tokens"], manifest.get("best"))
 
 
@@ -286,13 +298,23 @@ class _Run:
         return metrics
 
     def checkpoint(self, step: int):
-        model_sd, optim_sd = model_state(self.model), optimizer_state(self.model, self.optimizer)  # (every rank)
+        """Every rank calls it: a sharded model's ranks each write their shards into the folder rank 0 commits (after
+        rank 0 made it ready: the barrier inside `shards`); a plain model's state is rank 0's to write."""
+        if self.run_dir is None:
+            return
+        shards = None
+        if sharded(self.model):
+            def shards(folder):
+                dist.barrier()
+                save_shards(self.model, self.optimizer, folder)
+            if not self.writer:
+                shards(runs.staging(self.run_dir, step) / SHARDS)
         if self.writer:
             p = self.progress
-            state = {"step": step, "optimizer": optim_sd, "skipped": p.skipped, "tokens": p.tokens,
-                     "seed": self.cfg.seed, "config": asdict(self.cfg)}
+            state = {"step": step, "skipped": p.skipped, "tokens": p.tokens, "seed": self.cfg.seed,
+                     "config": asdict(self.cfg), **({} if shards else {"optimizer": self.optimizer.state_dict()})}
             save_checkpoint(self.run_dir, step, self.model, state, self.tokenizer, self.cfg.keep_last, p.best,
-                            {"precision": self.precision}, model_sd)
+                            {"precision": self.precision}, shards=shards)
         if self.world > 1:
             dist.barrier()
 
@@ -302,7 +324,8 @@ class _Run:
                 sink.close()
 
 
-def _micro_batch_size(cfg: TrainConfig, world: int) -> int:
+def micro_batch_size(cfg: TrainConfig, world: int) -> int:
+    """Sequences a forward on each of `world` processes; a ValueError where the batch does not divide."""
     per_rank = cfg.batch_size // world
     if per_rank * world != cfg.batch_size:
         raise ValueError(f"batch_size {cfg.batch_size} must be divisible by the number of processes {world}")
@@ -333,12 +356,13 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     """
     rank, world = _world()
     device = next(model.parameters()).device
-    micro = _micro_batch_size(cfg, world)
+    micro = micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)
-    fwd = wrap(model, cfg.parallel, world, device)
+    fwd = wrap(model, cfg.parallel, world, device, precision)
     fwd = torch.compile(fwd) if cfg.compile else fwd
     params = [p for p in model.parameters() if p.requires_grad]
     with contextlib.ExitStack() as stack:
+        stack.enter_context(activation_checkpointing(model, cfg.activation_checkpointing))
         if rank == 0 and run_dir is not None:
             stack.enter_context(runs.hold(run_dir))         # the run directory's one writer, or a ValueError
         optimizer = make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps)

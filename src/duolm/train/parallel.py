@@ -1,17 +1,21 @@
-"""Training on several processes (torchrun): DDP replicas or FSDP2 shards, and their state as one file.
+"""Training on several processes (torchrun): DDP replicas or FSDP2 shards, and their state on disk.
 
-    fwd = wrap(model, "fsdp", world, device)   # FSDP2 over each transformer block, then the root: parameters,
-                                               # gradients and optimizer state sharded over the processes
+    fwd = wrap(model, "fsdp", world, device, precision)   # FSDP2 over each transformer block, then the root:
+                                               # parameters, gradients and optimizer state sharded over the processes
+    with activation_checkpointing(model): ...  # each block's activations recomputed in the backward pass
     with no_sync(fwd, sync=False): ...         # a micro-batch whose gradients are not reduced yet
-    model_state(model), optimizer_state(model, optimizer)   # every rank calls them; rank 0 holds the whole state
+    save_shards(model, optimizer, folder)      # every rank writes its shards (DCP), nothing gathered
+    load_shards(model, optimizer, folder)      # at any number of processes, sharded or not (DCP reshards)
+    model_state(model)                         # every rank calls it; rank 0 holds the whole state (RUN/best/)
 
-A sharded run's checkpoint is the same single-file model directory as a DDP run's (the full state gathered on
-rank 0), its optimizer state keyed by parameter name, so it resumes at any number of processes and under either
-kind; a DDP or one-process checkpoint (optimizer state keyed by position) resumes under FSDP too.
+A sharded run's checkpoint holds its model and optimizer state as DCP shards (duolm.dcp), keyed by parameter name,
+so it resumes at any number of processes and under either kind, and duolm.load reads it in one process; a DDP or
+one-process checkpoint (one file, optimizer state keyed by position) resumes under FSDP too.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.distributed as dist
@@ -20,26 +24,53 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from duolm import dcp
 
 PARALLEL = ("ddp", "fsdp")
 
 
-def wrap(model: nn.Module, parallel: str, world: int, device: torch.device) -> nn.Module:
+def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, precision: str = "fp32") -> nn.Module:
     """The module the training steps run: `model` itself in one process; DDP replicas; or `model` sharded in
     place by FSDP2, each transformer block a unit and the root (embeddings, final norm, heads) the last. FSDP's
-    gradient reduction averages over the processes, as DDP's does."""
+    gradient reduction averages over the processes, as DDP's does. Under FSDP, precision "bf16" (resolved:
+    duolm.precision.resolve) gathers the parameters in bf16 for the forward and backward and reduces the gradients
+    in fp32 into the fp32 shards the optimizer updates."""
     if parallel not in PARALLEL:
         raise ValueError(f"parallel={parallel!r} is not one of {PARALLEL}")
     if world == 1:
         return model
     if parallel == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    mesh = init_device_mesh(device.type, (world,))
+    return shard(model, init_device_mesh(device.type, (world,)), precision)
+
+
+def shard(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
+    """FSDP2 over `mesh`, in place: each transformer block a unit, then the root. precision "bf16": the parameters
+    gathered in bf16, the gradients reduced in fp32 (MixedPrecisionPolicy); otherwise all in fp32."""
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else \
+        MixedPrecisionPolicy()
     for block in model.backbone.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
+
+
+@contextlib.contextmanager
+def activation_checkpointing(model: nn.Module, on: bool = True):
+    """Inside (when `on`), each transformer block keeps only its input for the backward pass and recomputes the rest
+    there (torch.utils.checkpoint, non-reentrant; dropout's random state saved and replayed, so the gradients are
+    the same): one block's activations held at a time instead of all, for one more forward. Restored on exit."""
+    blocks = list(model.backbone.h) if on else []
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward                 # the class's forward again
 
 
 @contextlib.contextmanager
@@ -73,10 +104,28 @@ def model_state(model: nn.Module) -> dict | None:
     return get_model_state_dict(model, options=_gathered()) if sharded(model) else None
 
 
-def optimizer_state(model: nn.Module, optimizer) -> dict:
-    """The optimizer's state dict: a sharded model's gathered whole on rank 0 and keyed by parameter name (every
-    rank must call it), a plain model's as the optimizer gives it (keyed by position)."""
-    return get_optimizer_state_dict(model, optimizer, options=_gathered()) if sharded(model) else optimizer.state_dict()
+def _states(model: nn.Module, optimizer) -> dict:
+    """This rank's state of the model and (unless None) the optimizer, keyed by parameter name: shards of a sharded
+    model, whole tensors of a plain one (a fresh optimizer's state made first, by a step of lr 0)."""
+    state = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def save_shards(model: nn.Module, optimizer, folder) -> None:
+    """Every rank writes its shards of the model's and the optimizer's state into `folder` (duolm.dcp), at once."""
+    dcp.write(_states(model, optimizer), folder)
+
+
+def load_shards(model: nn.Module, optimizer, folder) -> None:
+    """The state save_shards wrote, at any number of processes, into a sharded or plain `model` (and `optimizer`,
+    unless None); every rank of the process group calls it, or one process alone."""
+    state = _states(model, optimizer)
+    dcp.read(state, folder, collective=dist.is_available() and dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def load_model_state(model: nn.Module, state: dict) -> None:

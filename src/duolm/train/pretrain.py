@@ -30,6 +30,7 @@ from duolm.precision import resolve
 from duolm.tokenizers import load_tokenizer
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, loss_validator, train
+from duolm.train.memory import layout
 
 FAMILIES = ("gpt2", "bert")
 # loss.png's panels: BERT's two losses apart, so the picture shows when each starts to learn
@@ -126,8 +127,9 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
              on_start=None, on_log=None) -> dict:
     """Pretrain `family` ("gpt2" | "bert") on `data_dir` (written by duolm.data.prepare) into `run_dir`.
 
-    resume: continue from the run's newest complete checkpoint. on_start(model, device, start_step, precision) and
-    on_log(row) are called on rank 0 (the CLI prints and draws its progress bar from them). Returns
+    resume: continue from the run's newest complete checkpoint. on_start(model, device, start_step, precision,
+    layout) (layout: duolm.train.memory.Layout, the step over the processes and the memory of each) and on_log(row)
+    are called on rank 0 (the CLI prints and draws its progress bar from them). Returns
     train()'s result; the run folder holds checkpoints, metrics.jsonl, tb/ and loss.png."""
     mc, tc = model_config or ModelConfig(), train_config or TrainConfig()
     dev, rank = setup_distributed(device)
@@ -137,7 +139,8 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
         tc = replace(tc, precision=resolve(tc.precision, dev, training=True))
         if on_start is not None and rank == 0:
             from duolm.runs import read_manifest
-            on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision)
+            on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision,
+                     layout(model, tc, dist.get_world_size() if dist.is_initialized() else 1))
         validate = loss_validator(objective, val_data, tc)
         if mc.eval_mc:
             if family != "gpt2":
