@@ -16,7 +16,7 @@ class StopReason(str, Enum):
     CONTEXT = "context"             # the context window (block_size) is full
 
 
-def _check_prompts(model, prompts, max_new_tokens):
+def check_prompts(model, prompts, max_new_tokens):
     cfg = model.config
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -34,7 +34,7 @@ def _check_prompts(model, prompts, max_new_tokens):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 0")
 
 
-def _check_stop(stop, vocab_size):
+def check_stop(stop, vocab_size):
     stop = [list(s) for s in (stop or [])]
     for s in stop:
         if not s or min(s) < 0 or max(s) >= vocab_size:
@@ -42,7 +42,7 @@ def _check_stop(stop, vocab_size):
     return stop
 
 
-def _left_pad(prompts, device):
+def left_pad(prompts, device):
     """-> idx (B, P) left-padded with id 0, attention mask (B, P) of 0/1, or None if no padding."""
     P = max(len(p) for p in prompts)
     idx = torch.zeros(len(prompts), P, dtype=torch.long, device=device)
@@ -53,16 +53,16 @@ def _left_pad(prompts, device):
     return idx, (None if bool(mask.all()) else mask)
 
 
-def _model_device_dtype(model):
+def device_dtype(model):
     w = model.wte.weight
     return w.device, w.dtype
 
 
-def _new_cache(model, batch_size, max_len, device, dtype):
+def new_cache(model, batch_size, max_len, device, dtype):
     return KVCache(model.config, batch_size, max_len=max_len, device=device, dtype=dtype)
 
 
-def _last_logits(model, idx, mask, cache):
+def last_logits(model, idx, mask, cache):
     """Run idx through the model (writing the cache) and return fp32 logits (B, V) of the last
     position only: the output layer is never applied to the rest of the prompt."""
     h = model.hidden(idx, attention_mask=mask, cache=cache)

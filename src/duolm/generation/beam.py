@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from duolm.generation.base import _check_prompts, _check_stop, _last_logits, _left_pad, _model_device_dtype, _new_cache
+from duolm.generation.base import check_prompts, check_stop, device_dtype, last_logits, left_pad, new_cache
 from duolm.models import BertForPreTraining
 
 # ---------------------------------------------------------------------------------------------
@@ -21,8 +21,8 @@ def beam_search(model, prompts, max_new_tokens, num_beams, length_penalty=1.0, s
     rules: False = stop when no running beam can still beat the worst kept finished one at the
     current length, True = stop once num_beams beams finished, "never" = use the best possible
     length), so the ids equal `transformers` generate(num_beams=..., do_sample=False)."""
-    _check_prompts(model, prompts, max_new_tokens)
-    stop = _check_stop(stop, model.config.vocab_size)
+    check_prompts(model, prompts, max_new_tokens)
+    stop = check_stop(stop, model.config.vocab_size)
     if not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams={num_beams!r} must be an int >= 1")
     if early_stopping not in (True, False, "never"):
@@ -77,14 +77,14 @@ def _beam_steps(model, prompts, max_new_tokens, K, length_penalty, stop, early_s
     V, B, P = cfg.vocab_size, len(prompts), max(len(p) for p in prompts)
     n_steps = min(max_new_tokens, cfg.block_size - P + 1)
     keep = max(2, 1 + len(stop)) * K          # enough candidates that K stay alive if K stop
-    device, dtype = _model_device_dtype(model)
-    idx, mask = _left_pad(prompts, device)
+    device, dtype = device_dtype(model)
+    idx, mask = left_pad(prompts, device)
     idx = idx.repeat_interleave(K, 0)
     if mask is not None:
         full = torch.ones(B * K, P + n_steps - 1, dtype=torch.long, device=device)
         full[:, :P] = mask.repeat_interleave(K, 0)
-    cache = _new_cache(model, B * K, P + n_steps - 1, device, dtype)
-    logits = _last_logits(model, idx, mask if mask is None else full[:, :P], cache)
+    cache = new_cache(model, B * K, P + n_steps - 1, device, dtype)
+    logits = last_logits(model, idx, mask if mask is None else full[:, :P], cache)
 
     run_seq = torch.zeros(B, K, n_steps, dtype=torch.long, device=device)
     run_score = torch.full((B, K), _NEG, device=device)
@@ -124,7 +124,7 @@ def _beam_steps(model, prompts, max_new_tokens, K, length_penalty, stop, early_s
             break
         cache.reorder((batch_off + src_beam).view(-1))
         m = None if mask is None else full[:, :cache.length + 1]
-        logits = _last_logits(model, run_seq[:, :, t].reshape(B * K, 1), m, cache)
+        logits = last_logits(model, run_seq[:, :, t].reshape(B * K, 1), m, cache)
     return fin
 
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from duolm.generation.base import (StopReason, _check_prompts, _check_stop, _last_logits, _left_pad, _model_device_dtype,
-                                   _new_cache)
+from duolm.generation.base import StopReason, check_prompts, check_stop, device_dtype, last_logits, left_pad, new_cache
 from duolm.generation.sampling import apply_repetition_penalty, next_token
 from duolm.generation.static import decoder_of
 
@@ -50,9 +49,9 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=
     compile=True: every step after the prefill is the static-shape step of duolm.generation.static, compiled once
     per model and, on CUDA, replayed as a CUDA graph; the first call of a (batch, cache length) bucket pays the
     compilation. Same ids as compile=False up to the last bits of the logits (the ops are fused differently)."""
-    _check_prompts(model, prompts, max_new_tokens)
+    check_prompts(model, prompts, max_new_tokens)
     V = model.config.vocab_size
-    stop = _check_stop(stop, V)
+    stop = check_stop(stop, V)
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0 (0 = greedy)")
     if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
@@ -73,9 +72,9 @@ class EagerStep:
     grown by one real column a step (sliced, never reallocated)."""
 
     def __init__(self, model, batch: int, length: int):
-        device, dtype = _model_device_dtype(model)
+        device, dtype = device_dtype(model)
         self.model = model
-        self.cache = _new_cache(model, batch, length, device, dtype)
+        self.cache = new_cache(model, batch, length, device, dtype)
         self.full = torch.ones(batch, length, dtype=torch.long, device=device)
         self.padded = False
 
@@ -83,11 +82,11 @@ class EagerStep:
         self.padded = mask is not None
         if self.padded:
             self.full[:, :idx.shape[1]] = mask
-        return _last_logits(self.model, idx, mask, self.cache)
+        return last_logits(self.model, idx, mask, self.cache)
 
     def step(self, nxt):
         m = self.full[:, :self.cache.length + 1] if self.padded else None
-        return _last_logits(self.model, nxt[:, None], m, self.cache)
+        return last_logits(self.model, nxt[:, None], m, self.cache)
 
 
 def _to_host(ids: torch.Tensor):
@@ -115,8 +114,8 @@ def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
     n_steps = min(max_new_tokens, cfg.block_size - P + 1)
     running = [True] * B
     with torch.inference_mode():
-        device = _model_device_dtype(model)[0]
-        idx, mask = _left_pad(prompts, device)
+        device = device_dtype(model)[0]
+        idx, mask = left_pad(prompts, device)
         dec = decoder_of(model).get(B, P + n_steps - 1) if compile else EagerStep(model, B, P + n_steps - 1)
         seen = None
         if repetition_penalty != 1.0:

@@ -21,7 +21,7 @@ from collections import OrderedDict
 
 import torch
 
-from duolm.generation.base import _last_logits, _model_device_dtype, _new_cache
+from duolm.generation.base import device_dtype, last_logits, new_cache
 
 MIN_CACHE = 64          # the shortest cache length; longer ones double up to block_size
 
@@ -59,8 +59,8 @@ class StaticStep:
     def allocate(cls, model, step_fn, batch: int, length: int) -> "StaticStep":
         """A step with buffers of its own; the cache zeroed (masked columns are still multiplied by 0: no NaN may
         sit there)."""
-        device, dtype = _model_device_dtype(model)
-        cache = _new_cache(model, batch, length, device, dtype)
+        device, dtype = device_dtype(model)
+        cache = new_cache(model, batch, length, device, dtype)
         for buf in cache.k + cache.v:
             buf.zero_()
         return cls(model, step_fn, cache, torch.zeros(batch, 1, dtype=torch.long, device=device),
@@ -98,7 +98,7 @@ class StaticStep:
         """Run the (left-padded) prompts eagerly into the cache's first columns -> their last logits (B, V)."""
         P = idx.shape[1]
         self.cache.length = 0
-        logits = _last_logits(self._model(), idx, mask, self.cache)
+        logits = last_logits(self._model(), idx, mask, self.cache)
         self.keys.zero_()
         self.keys[:, :P] = True if mask is None else mask.bool()
         self.pos.copy_(self.keys.sum(1, keepdim=True))
