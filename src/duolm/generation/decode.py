@@ -90,8 +90,9 @@ class EagerStep:
 
 
 def _to_host(ids: torch.Tensor):
-    """Start copying ids (B,) to the host; -> a function that waits for them alone and returns the list. On CUDA
-    the next step is launched before that wait, so the GPU never idles while Python reads a token."""
+    """Start copying ids (B,) to the host; -> a function that waits for them alone and returns the list (on CUDA,
+    where generate launches the next step before that wait, so that the GPU never idles while Python reads a
+    token)."""
     if ids.device.type != "cuda":
         return ids.tolist
     host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -130,7 +131,8 @@ def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
             ids = _to_host(nxt)
-            if s < n_steps - 1:
+            ahead = nxt.device.type == "cuda" and s < n_steps - 1    # the GPU runs the next step while we read
+            if ahead:
                 logits = dec.step(nxt)
             out = []
             for i, t in enumerate(ids()):
@@ -151,3 +153,5 @@ def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
             yield out
             if not any(running):
                 return
+            if not ahead:
+                logits = dec.step(nxt)
