@@ -22,6 +22,7 @@ from duolm.objectives import CAUSAL_LM, causal_lm_loss
 from duolm.precision import autocast, resolve
 from duolm.runs import read_metrics
 from duolm.train import TrainConfig, train
+from test_static import sharpen
 from test_train import Windows, _losses, _pretrain, _weights, gpt2_data  # noqa: F401  (gpt2_data: a fixture)
 
 pytestmark = pytest.mark.cuda
@@ -35,16 +36,6 @@ def exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-
-
-def sharpen(model, scale=0.3, seed=0):
-    """Matrices N(0, scale): next-token distributions far from uniform, so greedy ids have no near ties."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=g) * scale)
-    return model
 
 
 def test_logits_on_cuda_equal_cpu():
