@@ -162,6 +162,15 @@ class Task(Protocol):
         ...
 
 
+def parse_texts(given: PredictInputs, who: str) -> list[str]:
+    """Texts: the lines of given.file, or given.texts; pairs are refused ("<who> takes texts, not pairs")."""
+    if given.pairs:
+        raise ValueError(f"{who} takes texts, not pairs")
+    if given.file:
+        return [line for line in Path(given.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return list(given.texts)
+
+
 # --- the user's table files ------------------------------------------------------------------------------
 
 def read_rows(path, columns: tuple | None = None) -> tuple[list[str], list[tuple[int, dict]]]:

@@ -24,7 +24,7 @@ from duolm.metrics import entities, entity_scores, invalid_starts
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective
 from duolm.tasks.base import (MAX_LENGTH, Data, Files, PredictInputs, TokenRows, holdout, max_context_table, pad,
-                              run_model, windows)
+                              parse_texts, run_model, windows)
 from duolm.tokenizers import WordPiece
 
 SCHEMES = ("IOB1", "IOB2", "IOBES")
@@ -206,10 +206,10 @@ def tag_features(sentences: list[Sentence], tok: WordPiece, labels: list[str], m
         for start, length in spans:
             out.ids.append([tok.cls_id] + pieces[start:start + length] + [tok.sep_id])
             out.labels.append([IGNORE] * (length + 2))
-        for n, w, p, label in words:
-            row, pos = (row0 + owner[p], p - spans[owner[p]][0] + 1) if p >= 0 else (-1, -1)
+        for n, w, at, label in words:
+            row, pos = (row0 + owner[at], at - spans[owner[at]][0] + 1) if at >= 0 else (-1, -1)
             out.where[n].append((row, pos))
-            if p >= 0:
+            if at >= 0:
                 out.labels[row][pos] = label
     return out
 
@@ -310,12 +310,7 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
 
 
 def parse(given: PredictInputs) -> list[str]:
-    """Texts: the lines of given.file, or given.texts."""
-    if given.pairs:
-        raise ValueError("a tagger takes texts, not pairs")
-    if given.file:
-        return [line for line in Path(given.file).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return list(given.texts)
+    return parse_texts(given, "a tagger")
 
 
 def line(text: str, prediction: dict) -> str:
