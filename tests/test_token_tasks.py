@@ -11,7 +11,8 @@ from duolm.checkpoint import load
 from duolm.models.heads import HeadConfig, attach_head
 from duolm.objectives import IGNORE
 from duolm.tasks import TaskBatches, span, tagging
-from duolm.tasks.span import SpanFeatures, max_context, read_squad, span_features, windows
+from duolm.tasks.base import max_context, max_context_table, windows
+from duolm.tasks.span import SpanFeatures, read_squad, span_features
 from duolm.tasks.tagging import Sentence, read_conll, tag_features, tag_scheme, word_pieces
 from duolm.train import TrainConfig, train
 from test_finetune import _reference_losses, minilm_dir
@@ -145,37 +146,46 @@ def test_first_piece_labels_as_transformers_word_ids(minilm, conll):
     labels = sorted({t for s in conll for t in s.tags})
     sents = conll[:300]
     f = tag_features(sents, tok, labels, max_length=512)
-    for s, ids, lab, first in zip(sents, f.ids, f.labels, f.first):
+    assert len(f) == len(sents)
+    for s, ids, lab, where in zip(sents, f.ids, f.labels, f.where):
         enc = hf(s.words, is_split_into_words=True)
         assert ids == enc["input_ids"]
         words = enc.word_ids()
         want = [IGNORE if w is None or (i and words[i - 1] == w) else labels.index(s.tags[w])
                 for i, w in enumerate(words)]
-        assert lab == want and [lab[p] for p in first] == [labels.index(t) for t in s.tags]
+        assert lab == want and [lab[p] for _, p in where] == [labels.index(t) for t in s.tags]
     assert word_pieces(tok, ["U.S.", "Hi\u200b", "\u200b"]) == [tok.encode("U.S.")[1:-1], tok.encode("Hi")[1:-1], []]
 
 
-def test_long_sentences_are_cut_and_counted(minilm):
+def test_long_sentences_are_windows_each_word_labelled_where_it_has_most_context(minilm):
+    """21 one-piece words, 10 pieces a window, starts 5 apart: windows [0, 10) [5, 15) [10, 20) [15, 21). Worked by
+    hand, score = min(left, right) + 0.01 * length: piece 7 ties 2.1 / 2.1 (the earlier window), piece 12 too;
+    piece 17 scores 2.1 in [10, 20) and 2.06 in the shorter [15, 21) (the 0.01 x length term decides)."""
     _, tok = minilm
     s = Sentence(["hello"] * 20 + ["world"], ["O"] * 20 + ["B-LOC"])
-    f = tag_features([s], tok, ["B-LOC", "O"], max_length=12)
-    assert f.cut == [0] and len(f.ids[0]) == 12 and f.first[0][:10] == list(range(1, 11)) and f.first[0][10:] == [-1] * 11
+    f = tag_features([s], tok, ["B-LOC", "O"], max_length=12)                   # stride: half the window, 5
+    assert [len(x) for x in f.ids] == [12, 12, 12, 8] and f.cut == []
+    owner = [0] * 8 + [1] * 5 + [2] * 5 + [3] * 3
+    start = [0, 5, 10, 15]
+    assert max_context_table(windows(21, 10, 5), 21) == owner
+    assert f.where == [[(r, p - start[r] + 1) for p, r in enumerate(owner)]]
+    assert [[x for x in lab if x != IGNORE] for lab in f.labels] == [[1] * 8, [1] * 5, [1] * 5, [1, 1, 0]]
 
 
-def test_document_context_surrounds_the_sentence(minilm):
+def test_document_context_windows_the_document(minilm):
     _, tok = minilm
     doc = [Sentence(w.split(), ["O"] * len(w.split()), doc=d) for w, d in
            [("one two three", 1), ("four five", 1), ("six seven eight nine", 1), ("ten", 2)]]
     labels = ["O"]
-    plain = tag_features(doc, tok, labels, max_length=16)
-    wide = tag_features(doc, tok, labels, max_length=16, context="document")
     text = lambda ids: tok.decode(ids, skip_special=True)                         # noqa: E731
-    assert text(wide.ids[1]) == "one two three four five six seven eight nine"   # 14 pieces fit whole
-    assert [wide.ids[1][p] for p in wide.first[1]] == [plain.ids[1][p] for p in plain.first[1]]
-    assert sum(x != IGNORE for x in wide.labels[1]) == 2                          # only its own words count
-    assert text(wide.ids[3]) == "ten"                                       # another document
-    narrow = tag_features(doc, tok, labels, max_length=8, context="document")     # room for 4 more: 2 + 2
-    assert text(narrow.ids[1]) == "two three four five six seven"
+    wide = tag_features(doc, tok, labels, max_length=16, context="document")
+    assert [text(x) for x in wide.ids] == ["one two three four five six seven eight nine", "ten"]
+    assert wide.where[1] == [(0, 4), (0, 5)] and wide.where[3] == [(1, 1)]
+    # 6 pieces a window, starts 3 apart: [0, 6) [3, 9); "four" (3) and "five" (4, a tie) in the first, "six" in the second
+    narrow = tag_features(doc, tok, labels, max_length=8, context="document")
+    assert [text(x) for x in narrow.ids] == ["one two three four five six", "four five six seven eight nine", "ten"]
+    assert narrow.where[1] == [(0, 4), (0, 5)] and narrow.where[2] == [(1, 3), (1, 4), (1, 5), (1, 6)]
+    assert sum(x != IGNORE for lab in narrow.labels for x in lab) == 10                 # every word once
 
 
 def test_windows_and_max_context_worked_examples():
@@ -355,7 +365,6 @@ def data_dir_path():
 
 
 def test_max_context_table_is_the_plain_rule():
-    from duolm.tasks.span import max_context_table
     for n, room, stride in [(10, 4, 3), (300, 128, 128), (1000, 61, 17), (50, 50, 10), (7, 3, 1)]:
         spans = windows(n, room, stride)
         owner = max_context_table(spans, n)
@@ -369,12 +378,7 @@ def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_di
     with punctuation. (The head is a seeded random layer: the tags are arbitrary, which exercises the grouping
     rules on many more entities than a trained model would produce.)"""
     from duolm.checkpoint import save
-    base, tok = load(tiny_bert_dir)
-    labels = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "I-MISC"]
-    torch.manual_seed(3)
-    model = attach_head(base, HeadConfig("tag", labels)).eval()
-    with torch.no_grad():
-        model.fc.weight.mul_(50)                               # confident, varied tags from a random layer
+    model, tok = _random_tagger(tiny_bert_dir)
     out = save(model, tmp_path / "hf", tokenizer=tok, format="hf")
     pipe = transformers.pipeline("token-classification", model=str(out), aggregation_strategy="first", device="cpu")
     texts = [" ".join(s.words) for s in read_conll(data_dir / "conll2003" / "eng.testa")[:240]]
@@ -389,3 +393,88 @@ def test_entities_equal_the_token_classification_pipeline(tiny_bert_dir, data_di
         assert [e["score"] for e in a] == pytest.approx([float(e["score"]) for e in b], abs=1e-5)
         n += len(a)
     assert n > 500
+
+
+TAGS = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "B-ORG", "I-ORG", "B-MISC", "I-MISC"]
+
+
+def _random_tagger(model_dir, max_length=128):
+    """A tagger with a seeded random layer, made confident: varied tags that hang on each piece's context."""
+    base, tok = load(model_dir)
+    torch.manual_seed(3)
+    model = attach_head(base, HeadConfig("tag", TAGS, max_length=max_length)).eval()
+    with torch.no_grad():
+        model.fc.weight.mul_(50)
+    return model, tok
+
+
+def test_a_long_document_has_every_word_labelled_from_its_max_context_window(tiny_bert_dir, data_dir):
+    """A CoNLL document of 400+ pieces in windows of 30 pieces. (1) A tagger blind to context (no position
+    embeddings, attention values zeroed: a piece's logits hang on the piece alone) labels every word of the windowed
+    document as it labels each sentence fed whole: each label was read at its own word's first piece. (2) A tagger
+    that sees context labels each word as the window picked by the plain rule (max_context), run alone, does at
+    that word's first piece; another window would have given some words another tag."""
+    sents = read_conll(data_dir / "conll2003" / "eng.testa")
+    doc = [s for s in sents if s.doc == sents[0].doc][:25]
+    model, tok = _random_tagger(tiny_bert_dir)
+    feats = tag_features(doc, tok, TAGS, max_length=32, context="document")
+    pieces = [p for s in doc for w in word_pieces(tok, s.words) for p in w]
+    assert len(pieces) > 400 and max(map(len, feats.ids)) == 32 and feats.cut == []
+
+    spans = windows(len(pieces), 30, 15)
+    with torch.no_grad():
+        logits = [model(torch.tensor([[tok.cls_id] + pieces[a:a + n] + [tok.sep_id]]))[0] for a, n in spans]
+    want, differ, p = [], 0, 0
+    for s in doc:
+        for w in word_pieces(tok, s.words):
+            seen = {i: TAGS[int(logits[i][p - a + 1].argmax())] for i, (a, n) in enumerate(spans) if a <= p < a + n}
+            want.append(next(t for i, t in seen.items() if max_context(spans, i, p)))
+            differ += len(set(seen.values())) > 1
+            p += len(w)
+    got, probs = tagging.predict_tags(model, tok, doc, feats)
+    assert [t for tags in got for t in tags] == want and min(x for ps in probs for x in ps) > 0
+    assert differ > 20                                    # which window labels a word changes its tag
+
+    with torch.no_grad():
+        model.bert.wpe.weight.zero_()
+        for block in model.bert.h:
+            block.attn.c_attn.weight[2 * block.attn.c_attn.out_features // 3:].zero_()
+    alone = tagging.predict_tags(model, tok, doc)                            # a row per sentence, each whole
+    windowed = tagging.predict_tags(model, tok, doc, feats)
+    assert windowed[0] == alone[0] and len({t for tags in alone[0] for t in tags}) > 3
+    assert [x for ps in windowed[1] for x in ps] == pytest.approx([x for ps in alone[1] for x in ps], abs=1e-5)
+
+
+def test_long_text_entities_equal_the_pipeline_with_stride(tiny_bert_dir, data_dir, tmp_path):
+    """Four CoNLL documents as four texts of 400+ pieces, windows of 30 pieces overlapping by 5 (our stride 25 is
+    the pipeline's stride=5). Both define the same entities where an entity and the words either side of it lie in
+    one window only: there they are equal (type, characters, score). In the overlaps they differ by design: the
+    pipeline groups each window's words into entities on their own and keeps, of entities that overlap, the longest
+    (ties: the higher score); duolm labels each word from the window where it has the most context, then groups."""
+    from duolm.checkpoint import save
+    model, tok = _random_tagger(tiny_bert_dir, max_length=32)
+    out = save(model, tmp_path / "hf", tokenizer=tok, format="hf")
+    pipe = transformers.pipeline("token-classification", model=str(out), aggregation_strategy="first", device="cpu")
+    pipe.tokenizer.model_max_length = 32
+    sents = read_conll(data_dir / "conll2003" / "eng.testa")
+    texts = [" ".join(w for s in sents if s.doc == d for w in s.words)[:3000] for d in (1, 2, 3, 4)]
+    ours = tagging.predict(model, tok, texts, stride=25)
+    ref = pipe(texts, stride=5)
+    same = 0
+    for text, a, b in zip(texts, ours, ref):
+        enc = tok.encode_with_offsets(text)
+        spans = windows(len(enc.ids) - 2, 30, 25)
+        alone = [sum(s <= p < s + n for s, n in spans) == 1 for p in range(len(enc.ids) - 2)]
+        words = tagging._words(tok, text)
+        single = [all(ok for ok, (x, _) in zip(alone, enc.offsets[1:-1]) if a0 <= x < b0) for a0, b0 in words]
+
+        def inside(start, end):
+            near = [i for i, (a0, b0) in enumerate(words) if b0 > start and a0 < end]
+            return all(single[max(0, near[0] - 1):near[-1] + 2])
+        mine = [(e["type"], e["start"], e["end"], e["score"]) for e in a["entities"]]
+        theirs = [(e["entity_group"], e["start"], e["end"], float(e["score"])) for e in b]
+        keep = lambda es: [e for e in es if inside(e[1], e[2])]                   # noqa: E731
+        assert [e[:3] for e in keep(mine)] == [e[:3] for e in keep(theirs)], text[:40]
+        assert [e[3] for e in keep(mine)] == pytest.approx([e[3] for e in keep(theirs)], abs=1e-5)
+        same += len(keep(mine))
+    assert same > 100 and len(ours) == 4

@@ -37,9 +37,10 @@ from safetensors.torch import save_file as _st_save_file
 from duolm import dcp, hub, runs
 from duolm.convert import hf as _hf
 from duolm.convert import tf as _tf
+from duolm.convert.st import Pooling, write_pooling
 from duolm.fileio import atomic_write, read_json, write_json
 from duolm.models import Bert, BertConfig, BertForPreTraining, GPT2, GPT2Config
-from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, HeadConfig, head_model
+from duolm.models.heads import HEAD_MODELS, MAX_LENGTH, SPAN_MAX_LENGTH, BertForEmbedding, HeadConfig, head_model
 from duolm.precision import SWAPPED
 from duolm.tokenizers import ByteLevelBPE, WordPiece, load_tokenizer
 from duolm.tokenizers.files import ENDOFTEXT
@@ -353,7 +354,8 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None,
     format="duolm": config.json + model.safetensors + the tokenizer's files (see the module doc).
     format="hf": a directory transformers loads: config.json (GPT2LMHeadModel, BertModel, or
     BertForPreTraining when the model has heads; a head model as BertForSequenceClassification,
-    GPT2ForSequenceClassification, ... with id2label / label2id), model.safetensors with HF tensor names (tied
+    GPT2ForSequenceClassification, ... with id2label / label2id; an embedding model as BertModel with
+    sentence-transformers' modules.json and pooling files), model.safetensors with HF tensor names (tied
     output weights stored once, as transformers does), and the tokenizer's files plus a
     tokenizer_config.json that names the HF tokenizer class.
     Each file is written atomically; config.json is written last. Returns the directory's Path.
@@ -386,7 +388,10 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None,
             _save_tokenizer(tokenizer, path)
         write_json(path / CONFIG, config)
         return path
-    if isinstance(model, HEAD_MODELS):
+    embedding = isinstance(model, BertForEmbedding)         # a BertModel with sentence-transformers' pooling files
+    if embedding:
+        sd = {k.removeprefix("bert."): v for k, v in sd.items()}
+    if isinstance(model, HEAD_MODELS) and not embedding:
         arch = _hf.HEAD_ARCHITECTURES[family, model.head.kind]
         hf_sd = _hf.head_to_hf(arch, sd)
         config = _hf.gpt2_config_to_hf(model.config) if family == "gpt2" else _hf.bert_config_to_hf(model.config, False)
@@ -404,6 +409,8 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None,
         _save_tokenizer(tokenizer, path)
         written = read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}
         write_json(path / TOKENIZER_CONFIG, hf_tokenizer_config(tokenizer, model.config.block_size, written))
+    if embedding:
+        write_pooling(path, Pooling(model.head.pooling, model.head.normalize, model.head.max_length), model.config.n_embd)
     write_json(path / CONFIG, config)
     return path
 

@@ -4,6 +4,7 @@
     BERT, one label per token:   logits_i = W dropout(h_i)                         BertForTokens
     BERT, a span (SQuAD):        start_i = h_i . W_s,  end_i = h_i . W_e           BertForSpans
     BERT, one of N endings:      score_j = w . dropout(tanh(W_pool h_j[CLS] + b))  BertForChoice (softmax over j)
+    BERT, a sentence embedding:  e = normalize(mean_i h_i) (or h[CLS]); no new layer  BertForEmbedding
     GPT, one label per input:    logits = W_y h_last  (h of the last real token)   GPT2ForSequence
 
 A regressor is a classifier with one output (its loss is MSE; losses live in duolm.train). The head
@@ -18,12 +19,14 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from duolm.models.bert import Bert, BertConfig, BertForPreTraining
 from duolm.models.dropout import Dropout
 from duolm.models.gpt2 import GPT2, GPT2Config
 
-KINDS = ("classify", "regress", "tag", "span", "choice")
+KINDS = ("classify", "regress", "tag", "span", "choice", "embed")
+POOLINGS = ("mean", "cls")
 MAX_LENGTH = 128         # input tokens at most (BERT's GLUE and CoNLL recipes)
 SPAN_MAX_LENGTH = 384    # tokens per SQuAD window (BERT section 4.2)
 
@@ -40,6 +43,8 @@ class HeadConfig:
     both_orders: GPT sentence pairs were fed as A<d>B and B<d>A, their last states summed (GPT-1's similarity).
     null_threshold: span heads trained on SQuAD v2.0: the answer is "" when the no-answer score exceeds the best
           span's by more than this (chosen on dev); None: always the best span (v1.1).
+    pooling, normalize: embed heads: the mean over real tokens or the [CLS] state, then L2-normalised or not
+          (sentence-transformers' Pooling and Normalize modules).
     """
     kind: str
     labels: list = field(default_factory=list)
@@ -47,6 +52,8 @@ class HeadConfig:
     max_length: int = MAX_LENGTH
     both_orders: bool = False
     null_threshold: float | None = None
+    pooling: str = "mean"
+    normalize: bool = True
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -54,17 +61,19 @@ class HeadConfig:
         self.labels = [str(x) for x in self.labels]
         if self.kind in ("classify", "tag") and len(self.labels) < 2:
             raise ValueError(f"a {self.kind} head needs at least 2 labels, got {self.labels}")
-        if self.kind in ("regress", "span", "choice") and self.labels:
+        if self.kind in ("regress", "span", "choice", "embed") and self.labels:
             raise ValueError(f"a {self.kind} head has no labels, got {self.labels}")
         if len(set(self.labels)) != len(self.labels):
             raise ValueError(f"labels must be distinct, got {self.labels}")
         if self.max_length < 2:
             raise ValueError(f"max_length={self.max_length} must be >= 2")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling {self.pooling!r} is not one of {POOLINGS}")
 
     @property
     def n_out(self) -> int:
         """Outputs of the head's linear layer."""
-        return {"regress": 1, "span": 2, "choice": 1}.get(self.kind, len(self.labels))
+        return {"regress": 1, "span": 2, "choice": 1, "embed": 0}.get(self.kind, len(self.labels))
 
 
 def _init(linear: nn.Linear) -> nn.Linear:
@@ -158,6 +167,37 @@ class BertForChoice(_OnBert):
         return self.fc(self.drop(pooled)).view(B, N)
 
 
+def pool_states(hidden: torch.Tensor, mask: torch.Tensor, mode: str = "mean", normalize: bool = True) -> torch.Tensor:
+    """hidden (B, T, C), mask (B, T) of 0/1 -> (B, C): the mean over real tokens ("mean") or the [CLS] state
+    ("cls"), L2-normalised when `normalize` (sentence-transformers' Pooling + Normalize).
+
+    Example: states [3, 0], [1, 2] and a padded [9, 9], mean -> [2, 1]; normalised -> [0.894, 0.447]."""
+    if mode == "mean":
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    else:
+        vec = hidden[:, 0]
+    return F.normalize(vec, p=2, dim=-1) if normalize else vec
+
+
+class BertForEmbedding(_OnBert):
+    """A sentence embedding (sentence-transformers' bi-encoder): the encoder's states pooled as head.pooling says,
+    L2-normalised when head.normalize; no new layer. Losses over pairs of embeddings live in duolm.tasks.embedding."""
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind != "embed":
+            raise ValueError(f"BertForEmbedding predicts embed, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
+
+    def forward(self, idx, segment_ids=None, attention_mask=None):
+        """-> embeddings (B, C)."""
+        hidden, _ = self.bert(idx, segment_ids, attention_mask)
+        mask = torch.ones_like(idx) if attention_mask is None else attention_mask
+        return pool_states(hidden, mask, self.head.pooling, self.head.normalize)
+
+
 class GPT2ForSequence(nn.Module):
     """A label (or a number) per input from the hidden state of its last real token (GPT-1 section 3.2).
 
@@ -200,8 +240,8 @@ class GPT2ForSequence(nn.Module):
         return self._task(self.gpt2.hidden(idx.reshape(-1, idx.shape[-1])), last)
 
 
-HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, BertForChoice, GPT2ForSequence)
-HeadModel = BertForSequence | BertForTokens | BertForSpans | BertForChoice | GPT2ForSequence
+HEAD_MODELS = (BertForSequence, BertForTokens, BertForSpans, BertForChoice, BertForEmbedding, GPT2ForSequence)
+HeadModel = BertForSequence | BertForTokens | BertForSpans | BertForChoice | BertForEmbedding | GPT2ForSequence
 
 
 def head_model(family: str, config, head: HeadConfig) -> HeadModel:
@@ -212,7 +252,7 @@ def head_model(family: str, config, head: HeadConfig) -> HeadModel:
         raise ValueError(f"family {family!r} is not 'gpt2' or 'bert'")
     cls: dict[str, Callable[[BertConfig, HeadConfig], HeadModel]] = {
         "classify": BertForSequence, "regress": BertForSequence, "tag": BertForTokens, "span": BertForSpans,
-        "choice": BertForChoice}
+        "choice": BertForChoice, "embed": BertForEmbedding}
     return cls[head.kind](config, head)
 
 

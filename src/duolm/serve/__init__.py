@@ -77,7 +77,6 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
         raise ImportError("duolm serve needs the 'serve' extra: pip install 'duolm[serve]'") from None
     from duolm.checkpoint import load
     from duolm.serve.app import create_app
-    from duolm.serve.encoders import read_pooling
     from duolm.serve.protocol import LimitedH11Protocol
 
     model, tokenizer = load(model_dir, device=cfg.device)
@@ -89,7 +88,7 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
     warning = bind_warning(cfg.host, cfg.api_key)
     if warning:
         log.warning(warning)
-    app = create_app(model, tokenizer, cfg, pooling=read_pooling(model_dir) if model.config.family == "bert" else None)
+    app = create_app(model, tokenizer, cfg, pooling=pooling_of(model, model_dir))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
@@ -116,6 +115,19 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
             server.run()
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def pooling_of(model, model_dir):
+    """How a BERT's embeddings are pooled: a fine-tuned embedding head's own pooling, else the sentence-transformers
+    files of its directory (duolm.convert.st.read_pooling: [CLS], normalised, without them); None for GPT-2."""
+    from duolm.convert.st import Pooling, read_pooling
+
+    if model.config.family != "bert":
+        return None
+    head = getattr(model, "head", None)
+    if head is not None and head.kind == "embed":
+        return Pooling(head.pooling, head.normalize, head.max_length, "config.json")
+    return read_pooling(model_dir)
 
 
 @contextlib.contextmanager

@@ -1,5 +1,5 @@
-"""BERT requests: sentence embeddings with the checkpoint's pooling, fill-mask, and the worker that
-runs requests arriving together as one batch.
+"""BERT requests: sentence embeddings with the checkpoint's pooling (duolm.convert.st.read_pooling), fill-mask,
+and the worker that runs requests arriving together as one batch.
 
 A task is a batched function `fn(items) -> results` (one result per item). `EncoderWorker.submit(fn,
 items)` returns a Future; jobs for the same fn that arrive within the collection window run as one
@@ -8,64 +8,18 @@ shape and a route; nothing here changes.
 """
 from __future__ import annotations
 
-
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from duolm.fileio import read_json
+from duolm.convert.st import Pooling, read_pooling
+from duolm.models.heads import pool_states
 
 log = logging.getLogger("duolm.serve")
-
-ST_MODULES = "modules.json"                  # sentence-transformers' module list
-ST_POOLING = "1_Pooling/config.json"         # its default pooling folder
-ST_CONFIG = "sentence_bert_config.json"      # holds max_seq_length
-
-
-@dataclass(frozen=True)
-class Pooling:
-    """How token states become one vector: "mean" over real tokens or the "cls" state, then an L2
-    normalisation when `normalize`. max_length: longest input in tokens ([CLS] and [SEP] included),
-    None = the model's block_size. source: the file it was read from (None: the default)."""
-
-    mode: str = "cls"
-    normalize: bool = True
-    max_length: int | None = None
-    source: str | None = None
-
-
-def read_pooling(model_dir) -> Pooling:
-    """The pooling a checkpoint was trained with, from its sentence-transformers files: modules.json
-    names the pooling folder (default 1_Pooling/) and whether a Normalize module follows;
-    sentence_bert_config.json gives max_seq_length. Without those files: [CLS], normalised (unit
-    vectors, as OpenAI's embeddings are). Pooling modes other than mean and cls are refused."""
-    d = Path(model_dir)
-    pooling_file, normalize = d / ST_POOLING, True
-    if (d / ST_MODULES).is_file():
-        modules = read_json(d / ST_MODULES, kind=list)
-        types = {m.get("type", "").rsplit(".", 1)[-1]: m.get("path", "") for m in modules if isinstance(m, dict)}
-        if "Pooling" in types:
-            pooling_file = d / types["Pooling"] / "config.json"
-        normalize = "Normalize" in types
-    if not pooling_file.is_file():
-        return Pooling()
-    cfg = read_json(pooling_file)
-    modes = sorted(k[len("pooling_mode_"):] for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
-    mode = {"mean_tokens": "mean", "cls_token": "cls"}.get(modes[0]) if len(modes) == 1 else None
-    if mode is None:
-        raise ValueError(f"{pooling_file}: pooling {modes or 'none'} is not supported; duolm serves "
-                         "pooling_mode_mean_tokens or pooling_mode_cls_token")
-    max_length = None
-    if (d / ST_CONFIG).is_file():
-        max_length = read_json(d / ST_CONFIG).get("max_seq_length")
-    return Pooling(mode, normalize, max_length, str(pooling_file.relative_to(d)))
 
 
 def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
@@ -98,12 +52,7 @@ def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Te
     >>> pool(torch.tensor([[[3., 0.], [1., 2.], [9., 9.]]]), torch.tensor([[1, 1, 0]]), Pooling("mean", False))
     tensor([[2., 1.]])
     """
-    if pooling.mode == "mean":
-        m = mask.unsqueeze(-1).to(hidden.dtype)
-        vec = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-    else:
-        vec = hidden[:, 0]
-    return F.normalize(vec, p=2, dim=-1) if pooling.normalize else vec
+    return pool_states(hidden, mask, pooling.mode, pooling.normalize)
 
 
 class EncoderWorker:
@@ -185,3 +134,6 @@ class EncoderWorker:
             for items, fut in group:
                 fut.set_result(results[start:start + len(items)])
                 start += len(items)
+
+
+__all__ = ["Pooling", "read_pooling", "embed", "pool", "EncoderWorker"]

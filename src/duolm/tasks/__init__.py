@@ -5,6 +5,7 @@ objective, prediction, scores, `duolm predict`'s inputs and lines), each one a t
     tagging    CoNLL-2003 NER, a label per word (BERT)
     span       SQuAD v1.1 / v2.0 span question answering (BERT)
     choice     SWAG-style multiple choice (BERT)
+    embedding  sentence embeddings from pairs, triples or scored pairs (BERT, sentence-transformers' losses)
 
     from duolm.tasks import evaluate, load_finetuned, predict
     model, tok = load_finetuned("runs/sst2/best")
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 from duolm.checkpoint import load
 from duolm.models.heads import HEAD_MODELS, HeadConfig
 from duolm.objectives import Objective
-from duolm.tasks import choice, sentence, span, tagging
+from duolm.tasks import choice, embedding, sentence, span, tagging
 from duolm.tasks.base import Data, Files, PredictInputs, Task, TaskBatches, TaskOptions, first
 
-TASKS: tuple[Task, ...] = (sentence, tagging, span, choice)       # each module is a Task (mypy checks it here)
+TASKS: tuple[Task, ...] = (sentence, tagging, span, choice, embedding)       # each module is a Task (mypy checks it here)
 BY_NAME = {name: t for t in TASKS for name in t.names}
 BY_KIND = {kind: t for t in TASKS for kind in t.kinds}
 
@@ -86,7 +87,8 @@ def prepare(name: str, tokenizer, family: str, options: TaskOptions, files: File
 def predict(model, tokenizer, inputs, batch_size: int = 64) -> list[dict]:
     """Predictions of a fine-tuned model, whatever its head: classify / regress: texts or (text, text) pairs ->
     {"label", "probabilities"} / {"score"}; tag: texts -> {"entities"}; span: (question, context) pairs ->
-    {"answer", "start", "end", "score"}; choice: (context, [endings]) -> {"label", "probabilities"}."""
+    {"answer", "start", "end", "score"}; choice: (context, [endings]) -> {"label", "probabilities"}; embed: texts ->
+    {"embedding"}."""
     return head_task(model.head).predict(model, tokenizer, inputs, batch_size)
 
 

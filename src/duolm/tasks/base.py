@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,8 @@ class TaskOptions:
     both_orders: bool = opt(False, "GPT sentence pairs: also feed B<d>A and sum the two states (GPT-1 similarity)")
     context: str = opt("sentence", "NER: each sentence alone, or with its document around it (BERT)",
                        choices=("sentence", "document"))
-    stride: int = opt(STRIDE, "SQuAD: pieces between the starts of a long context's windows")
+    stride: int | None = opt(None, f"pieces between the starts of a long text's windows (SQuAD's contexts: {STRIDE}; "
+                                   f"NER's sentences or documents: half the window)")
     dev_fraction: float = opt(0.0, "without a dev file, hold out this last share of train (SQuAD: of its articles)")
     max_train_examples: int = opt(0, "train on the first N training examples only (NER: sentences, SQuAD: "
                                      "questions; 0: all)")
@@ -51,7 +53,7 @@ class TaskOptions:
     def __post_init__(self):
         if self.max_length is not None and self.max_length < 2:
             raise ValueError(f"max_length={self.max_length} must be >= 2")
-        if self.stride < 1:
+        if self.stride is not None and self.stride < 1:
             raise ValueError(f"stride={self.stride} must be >= 1")
         if self.max_train_examples < 0:
             raise ValueError(f"max_train_examples={self.max_train_examples} must be >= 0 (0: all)")
@@ -158,6 +160,15 @@ class Task(Protocol):
     def line(self, given: Any, prediction: dict[str, Any], /) -> str:
         """One input and its prediction as the line `duolm predict` prints."""
         ...
+
+
+def parse_texts(given: PredictInputs, who: str) -> list[str]:
+    """Texts: the lines of given.file, or given.texts; pairs are refused ("<who> takes texts, not pairs")."""
+    if given.pairs:
+        raise ValueError(f"{who} takes texts, not pairs")
+    if given.file:
+        return [line for line in Path(given.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return list(given.texts)
 
 
 # --- the user's table files ------------------------------------------------------------------------------
@@ -271,6 +282,49 @@ def pad(seqs: Sequence[Sequence[int]], value: int) -> tuple[torch.Tensor, torch.
         ids[b, :len(x)] = torch.tensor(x)
         mask[b, :len(x)] = 1
     return ids, mask
+
+
+# --- windows over a long text (SQuAD's contexts, NER's documents) ---------------------------------------
+
+def windows(n_pieces: int, room: int, stride: int) -> list[tuple[int, int]]:
+    """(start, length) of the windows over n_pieces context pieces: `room` pieces each, starts `stride` apart,
+    the last one ending at the end (run_squad.py's doc_spans).
+
+    Example: windows(10, 4, 3) -> [(0, 4), (3, 4), (6, 4)]; windows(3, 4, 3) -> [(0, 3)]."""
+    if room < 1:
+        raise ValueError(f"no room for the context (the question leaves {room} pieces)")
+    spans, start = [], 0
+    while True:
+        length = min(n_pieces - start, room)
+        spans.append((start, length))
+        if start + length >= n_pieces:
+            return spans
+        start += min(length, stride)
+
+
+def max_context(spans: list[tuple[int, int]], span: int, position: int) -> bool:
+    """Whether window `span` is where context piece `position` has the most context: the best score
+    min(pieces left of it, pieces right of it) + 0.01 * window length, ties to the earlier window."""
+    best, best_i = None, None
+    for i, (start, length) in enumerate(spans):
+        if not start <= position < start + length:
+            continue
+        score = min(position - start, start + length - 1 - position) + 0.01 * length
+        if best is None or score > best:
+            best, best_i = score, i
+    return best_i == span
+
+
+def max_context_table(spans: list[tuple[int, int]], n_pieces: int) -> list[int]:
+    """The window that scores each of n_pieces context pieces, for all pieces at once: max_context's rule in
+    one pass over the windows (O(pieces x overlapping windows), not O(pieces x windows))."""
+    best, owner = [-math.inf] * n_pieces, [-1] * n_pieces
+    for i, (start, length) in enumerate(spans):
+        for p in range(start, start + length):
+            score = min(p - start, start + length - 1 - p) + 0.01 * length
+            if score > best[p]:
+                best[p], owner[p] = score, i
+    return owner
 
 
 class TaskBatches:

@@ -27,7 +27,7 @@ from duolm.metrics import squad_scores, squad_v2_scores
 from duolm.models.heads import HeadConfig
 from duolm.objectives import Objective
 from duolm.tasks.base import (MAX_QUERY, SPAN_MAX_LENGTH, STRIDE, Data, Files, PredictInputs, TokenRows,
-                              holdout, pad, run_model)
+                              holdout, max_context_table, pad, run_model, windows)
 from duolm.tokenizers import WordPiece
 
 # --- the reader -------------------------------------------------------------------------------------------
@@ -137,47 +137,6 @@ class SpanFeatures(TokenRows):
                 "start": torch.tensor([self.start[i] for i in rows]), "end": torch.tensor([self.end[i] for i in rows])}
 
 
-def windows(n_pieces: int, room: int, stride: int) -> list[tuple[int, int]]:
-    """(start, length) of the windows over n_pieces context pieces: `room` pieces each, starts `stride` apart,
-    the last one ending at the end (run_squad.py's doc_spans).
-
-    Example: windows(10, 4, 3) -> [(0, 4), (3, 4), (6, 4)]; windows(3, 4, 3) -> [(0, 3)]."""
-    if room < 1:
-        raise ValueError(f"no room for the context (the question leaves {room} pieces)")
-    spans, start = [], 0
-    while True:
-        length = min(n_pieces - start, room)
-        spans.append((start, length))
-        if start + length >= n_pieces:
-            return spans
-        start += min(length, stride)
-
-
-def max_context(spans: list[tuple[int, int]], span: int, position: int) -> bool:
-    """Whether window `span` is where context piece `position` has the most context: the best score
-    min(pieces left of it, pieces right of it) + 0.01 * window length, ties to the earlier window."""
-    best, best_i = None, None
-    for i, (start, length) in enumerate(spans):
-        if not start <= position < start + length:
-            continue
-        score = min(position - start, start + length - 1 - position) + 0.01 * length
-        if best is None or score > best:
-            best, best_i = score, i
-    return best_i == span
-
-
-def max_context_table(spans: list[tuple[int, int]], n_pieces: int) -> list[int]:
-    """The window that scores each of n_pieces context pieces, for all pieces at once: max_context's rule in
-    one pass over the windows (O(pieces x overlapping windows), not O(pieces x windows))."""
-    best, owner = [-math.inf] * n_pieces, [-1] * n_pieces
-    for i, (start, length) in enumerate(spans):
-        for p in range(start, start + length):
-            score = min(p - start, start + length - 1 - p) + 0.01 * length
-            if score > best[p]:
-                best[p], owner[p] = score, i
-    return owner
-
-
 def span_features(questions: list[Question], tok: WordPiece, max_length: int = SPAN_MAX_LENGTH,
                   max_query: int = MAX_QUERY, stride: int = STRIDE) -> SpanFeatures:
     """Windows of every question (see the module doc); training targets from each question's first answer."""
@@ -213,7 +172,7 @@ def span_features(questions: list[Question], tok: WordPiece, max_length: int = S
 
 
 def encode(questions, tokenizer, head: HeadConfig, options=None) -> SpanFeatures:
-    return span_features(questions, tokenizer, head.max_length, stride=options.stride if options else STRIDE)
+    return span_features(questions, tokenizer, head.max_length, stride=(options and options.stride) or STRIDE)
 
 
 # --- the objective ----------------------------------------------------------------------------------------

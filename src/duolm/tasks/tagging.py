@@ -4,9 +4,12 @@ Read top to bottom: the reader, the features, the objective, prediction, scores.
     L = CE over the first piece of every word (the other pieces are ignored)          BERT section 5.3
 
 Each word is split into word pieces and its label sits on the first piece; the other pieces, [CLS] and [SEP]
-carry IGNORE (no loss, no prediction), as the BERT paper does for CoNLL-2003. With context="document", a
-sentence is fed with its neighbours from the same document around it (as many pieces as fit, half on each
-side), labelled on its own pieces only: BERT's "maximal document context". Entity F1 is conlleval's
+carry IGNORE (no loss, no prediction), as the BERT paper does for CoNLL-2003. A text is each sentence alone, or
+with context="document" each document whole (BERT's "maximal document context"); one longer than max_length is
+cut into overlapping windows (starts `stride` pieces apart, half a window by default), and each word is labelled
+(trained and predicted) in the one window where its first piece has the most context: the rule of SQuAD's
+windows (min(pieces left, pieces right) + 0.01 * window length, run_squad.py's _check_is_max_context; Devlin in
+google-research/bert #66), so no word is left unlabelled for want of room. Entity F1 is conlleval's
 (duolm.metrics.entity_scores).
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ import torch.nn.functional as F
 from duolm.metrics import entities, entity_scores, invalid_starts
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective
-from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, TokenRows, holdout, pad, run_model
+from duolm.tasks.base import (MAX_LENGTH, Data, Files, PredictInputs, TokenRows, holdout, max_context_table, pad,
+                              parse_texts, run_model, windows)
 from duolm.tokenizers import WordPiece
 
 SCHEMES = ("IOB1", "IOB2", "IOBES")
@@ -161,12 +165,12 @@ def word_pieces(tok: WordPiece, words: list[str]) -> list[list[int]]:
 
 @dataclass
 class TagFeatures(TokenRows):
-    """One row per sentence: ids ([CLS] context sentence context [SEP]), labels (IGNORE but on the first piece
-    of each of the sentence's words), first[i]: the position of word i's first piece (-1: it got no piece or
-    was cut); cut: the sentences that did not fit whole."""
+    """One row per window: ids ([CLS] pieces [SEP]), labels (IGNORE but at the first piece of each word the
+    window labels); where[s][w]: (row, position) of the first piece of sentence s's word w in the window that
+    labels it ((-1, -1): the word got no piece). No word is left out, so `cut` stays empty."""
     ids: list
     labels: list
-    first: list
+    where: list
     pad_id: int
     cut: list = field(default_factory=list)
 
@@ -178,60 +182,54 @@ class TagFeatures(TokenRows):
 
 
 def tag_features(sentences: list[Sentence], tok: WordPiece, labels: list[str], max_length: int = MAX_LENGTH,
-                 context: str = "sentence") -> TagFeatures:
-    """Features for tagging (see the module doc); untagged sentences get all-IGNORE labels."""
+                 context: str = "sentence", stride: int | None = None) -> TagFeatures:
+    """Features for tagging (see the module doc): each sentence alone, or each document whole (context
+    "document"), cut into windows of max_length - 2 pieces whose starts are `stride` pieces apart (None: half a
+    window); a word is labelled in the window where its first piece has the most context. Untagged sentences
+    get all-IGNORE labels."""
     if context not in ("sentence", "document"):
         raise ValueError(f"context must be 'sentence' or 'document', not {context!r}")
+    room = max_length - 2
+    stride = stride or max(1, room // 2)
     index = {t: i for i, t in enumerate(labels)}
-    pieces = [word_pieces(tok, s.words) for s in sentences]
-    budget = max_length - 2
-    out = TagFeatures([], [], [], tok.pad_id)
-    for n, (s, words) in enumerate(zip(sentences, pieces)):
-        ids: list[int] = []
-        lab: list[int] = []
-        first: list[int] = []
-        for w, p in enumerate(words):
-            if p and len(ids) + len(p) <= budget:
-                first.append(len(ids) + 1)
-                lab += [index[s.tags[w]] if s.tags is not None else IGNORE] + [IGNORE] * (len(p) - 1)
-                ids += p
-            else:
-                first.append(-1)
-        if any(p and f < 0 for p, f in zip(words, first)):
-            out.cut.append(n)
-        left: list[int] = []
-        right: list[int] = []
-        if context == "document":
-            left, right = _neighbours(sentences, pieces, n, budget - len(ids))
-        shift = len(left)
-        out.ids.append([tok.cls_id] + left + ids + right + [tok.sep_id])
-        out.labels.append([IGNORE] * (1 + shift) + lab + [IGNORE] * (len(right) + 1))
-        out.first.append([f + shift if f >= 0 else -1 for f in first])
+    out = TagFeatures([], [], [[] for _ in sentences], tok.pad_id)
+    for group in _groups(sentences, context):
+        pieces: list[int] = []
+        words = []                                      # (sentence, word, its first piece in `pieces`, label)
+        for n in group:
+            s = sentences[n]
+            for w, p in enumerate(word_pieces(tok, s.words)):
+                words.append((n, w, len(pieces) if p else -1, index[s.tags[w]] if s.tags is not None else IGNORE))
+                pieces += p
+        spans = windows(len(pieces), room, stride)
+        owner, row0 = max_context_table(spans, len(pieces)), len(out.ids)
+        for start, length in spans:
+            out.ids.append([tok.cls_id] + pieces[start:start + length] + [tok.sep_id])
+            out.labels.append([IGNORE] * (length + 2))
+        for n, w, at, label in words:
+            row, pos = (row0 + owner[at], at - spans[owner[at]][0] + 1) if at >= 0 else (-1, -1)
+            out.where[n].append((row, pos))
+            if at >= 0:
+                out.labels[row][pos] = label
     return out
 
 
-def _neighbours(sentences, pieces, n, room) -> tuple[list, list]:
-    """Up to `room` pieces of the same document around sentence n: half before, half after (the unused
-    half of one side goes to the other)."""
-    doc = sentences[n].doc
-    before = [p for k in range(n - 1, -1, -1) if sentences[k].doc == doc for p in _flat(pieces[k])[::-1]] \
-        if n and sentences[n - 1].doc == doc else []
-    after: list[int] = []
-    for k in range(n + 1, len(sentences)):
-        if sentences[k].doc != doc or len(after) >= room:
-            break
-        after += _flat(pieces[k])
-    n_left = min(len(before), max(room // 2, room - len(after)))
-    n_right = min(len(after), room - n_left)
-    return before[:n_left][::-1], after[:n_right]
-
-
-def _flat(words):
-    return [p for w in words for p in w]
+def _groups(sentences: list[Sentence], context: str) -> list[list[int]]:
+    """The sentence numbers fed together: each sentence alone, or the runs of sentences of one document."""
+    if context == "sentence":
+        return [[n] for n in range(len(sentences))]
+    groups: list[list[int]] = []
+    for n, s in enumerate(sentences):
+        if groups and sentences[groups[-1][-1]].doc == s.doc:
+            groups[-1].append(n)
+        else:
+            groups.append([n])
+    return groups
 
 
 def encode(sentences, tokenizer, head: HeadConfig, options=None) -> TagFeatures:
-    return tag_features(sentences, tokenizer, head.labels, head.max_length, options.context if options else "sentence")
+    return tag_features(sentences, tokenizer, head.labels, head.max_length, options.context if options else "sentence",
+                        options.stride if options else None)
 
 
 # --- the objective ----------------------------------------------------------------------------------------
@@ -257,17 +255,18 @@ def objective(family: str, head: HeadConfig, lm_coef: float = 0.0) -> Objective:
 # --- prediction and scores --------------------------------------------------------------------------------
 
 def predict_tags(model, tok, sentences: list[Sentence], features=None, batch_size: int = 64):
-    """-> (tags, scores) per sentence: the argmax tag of each word's first piece and its probability (a word
-    without a piece, or cut off by max_length, gets "O" and probability 0)."""
+    """-> (tags, scores) per sentence: the argmax tag of each word's first piece in the window that labels it,
+    and its probability (a word without a piece gets "O" and probability 0)."""
     head = model.head
     features = features or tag_features(sentences, tok, head.labels, head.max_length)
-    tags, probs = [], []
-    outs = run_model(lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"]), model, features, batch_size)
-    for logits, first in zip(outs, features.first):
-        p = logits.softmax(-1)
-        tags.append([head.labels[int(p[f].argmax())] if f >= 0 else "O" for f in first])
-        probs.append([float(p[f].max()) if f >= 0 else 0.0 for f in first])
-    return tags, probs
+    probs = [p.softmax(-1) for p in run_model(lambda m, b: m(b["idx"], b["segment_ids"], b["attention_mask"]), model,
+                                             features, batch_size)]
+    tags, scores = [], []
+    for where in features.where:
+        best = [probs[r][t].max(-1) if r >= 0 else None for r, t in where]
+        tags.append([head.labels[int(b.indices)] if b is not None else "O" for b in best])
+        scores.append([float(b.values) if b is not None else 0.0 for b in best])
+    return tags, scores
 
 
 def score(model, tok, sentences, features=None, batch_size: int = 64) -> dict:
@@ -288,13 +287,15 @@ def _words(tok: WordPiece, text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def predict(model, tok, texts, batch_size: int = 64) -> list[dict]:
+def predict(model, tok, texts, batch_size: int = 64, stride: int | None = None) -> list[dict]:
     """The entities of each text, {"entities": [{"type", "text", "start", "end" (characters), "score" (the mean
-    probability of its words' tags)}]}, words as BERT splits the text, chunks read by conlleval's rules."""
+    probability of its words' tags)}]}, words as BERT splits the text, chunks read by conlleval's rules; a text
+    longer than the window is read in windows `stride` pieces apart (None: half a window)."""
     texts = list(texts)
     spans = [_words(tok, t) for t in texts]
     sentences = [Sentence([t[a:b] for a, b in sp], None) for t, sp in zip(texts, spans)]
-    tags, probs = predict_tags(model, tok, sentences, batch_size=batch_size)
+    features = tag_features(sentences, tok, model.head.labels, model.head.max_length, stride=stride)
+    tags, probs = predict_tags(model, tok, sentences, features, batch_size)
     out = []
     for text, sp, tg, pr in zip(texts, spans, tags, probs):
         out.append({"entities": [{"type": type_, "text": text[sp[i][0]:sp[j][1]], "start": sp[i][0], "end": sp[j][1],
@@ -309,12 +310,7 @@ def make_head(data: Data, family: str, options, block_size: int) -> HeadConfig:
 
 
 def parse(given: PredictInputs) -> list[str]:
-    """Texts: the lines of given.file, or given.texts."""
-    if given.pairs:
-        raise ValueError("a tagger takes texts, not pairs")
-    if given.file:
-        return [line for line in Path(given.file).read_text(encoding="utf-8").splitlines() if line.strip()]
-    return list(given.texts)
+    return parse_texts(given, "a tagger")
 
 
 def line(text: str, prediction: dict) -> str:

@@ -20,6 +20,7 @@ import torch
 from duolm import tasks
 from duolm.checkpoint import load, save
 from duolm.config import opt
+from duolm.convert.st import Pooling, read_pooling
 from duolm.fileio import write_json, write_text
 from duolm.models.heads import HEAD_MODELS, attach_head
 from duolm.precision import resolve
@@ -138,15 +139,21 @@ def _steps(train_feats, cfg: FinetuneConfig) -> tuple[int, int]:
     return per_epoch, max(1, round(cfg.epochs * per_epoch))
 
 
-def _prepare(task: str, tok, family: str, cfg: FinetuneConfig, block_size: int, files: Files) -> tasks.Prepared:
-    return tasks.prepare(task, tok, family, cfg.inputs, files, block_size, cfg.lm_coef if family == "gpt2" else 0.0)
+def _prepare(model, task: str, tok, family: str, cfg: FinetuneConfig, block_size: int, files: Files) -> tasks.Prepared:
+    """The task prepared for `model` (a path); an embedding head pools as the model's sentence-transformers files
+    say (mean, normalised, without them)."""
+    prepared = tasks.prepare(task, tok, family, cfg.inputs, files, block_size, cfg.lm_coef if family == "gpt2" else 0.0)
+    if prepared.head.kind == "embed":
+        own = read_pooling(model, Pooling("mean"))
+        prepared.head = replace(prepared.head, pooling=own.mode, normalize=own.normalize)
+    return prepared
 
 
 def _job(model, task, files, cfg, lr, seed, run_dir, device, resume, threads) -> dict:
     """One run in a worker process: load, prepare, train (no progress reports cross the process border)."""
     torch.set_num_threads(threads)
     base, tok, family = load_pretrained(model, device)
-    prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
+    prepared = _prepare(model, task, tok, family, cfg, base.config.block_size, files)
     return _one_run(base, tok, prepared, cfg, lr, seed, run_dir, device, resume, None)
 
 
@@ -181,7 +188,7 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, fi
     files = files or Files()
     cfg = (config or FinetuneConfig()).resolved(family, tasks.task(task).kinds[0])
     cfg = replace(cfg, loop=replace(cfg.loop, precision=resolve(cfg.loop.precision, dev, training=True)))
-    prepared = _prepare(task, tok, family, cfg, base.config.block_size, files)
+    prepared = _prepare(model, task, tok, family, cfg, base.config.block_size, files)
     lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
     seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
     info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
