@@ -357,27 +357,11 @@ def test_run_records_its_precision_and_resumes_only_under_it(tmp_path):
 
 
 def test_fp32_engine_is_a_rule_by_vendor(monkeypatch):
-    """oneDNN on x86 CPUs, with MKL (F.linear) kept for one or two rows on Intel's and for none on other vendors'
-    (MKL's slower paths there): the same answer in every process, so a resumed run and its evaluations compute the
-    same numbers; F.linear elsewhere."""
+    """oneDNN on x86 CPUs not made by Intel (MKL's slower paths there), MKL on Intel's: the same answer in every
+    process, so a resumed run and its evaluations compute the same numbers."""
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
-    for vendor, rows in (("GenuineIntel", 2), ("AuthenticAMD", 0), ("HygonGenuine", 0)):
+    for vendor, engine in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn")):
         monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
-        assert (precision_module.fp32_engine(), precision_module.mkl_rows()) == ("onednn", rows)
+        assert precision_module.fp32_engine() == engine
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "aarch64")
     assert precision_module.fp32_engine() == "mkl"
-
-
-def test_packed_linear_keeps_f_linear_up_to_mkl_rows():
-    """PackedLinear(mkl_rows=2): one or two rows are F.linear's bits; three and more run oneDNN (within 1e-5)."""
-    torch.manual_seed(0)
-    w, b = torch.randn(2304, 768) * 0.02, torch.randn(2304)
-    packed = PackedLinear(w, b, mkl_rows=2)
-    with torch.no_grad():
-        for shape in ((1, 768), (2, 768), (1, 2, 768)):
-            x = torch.randn(shape)
-            assert torch.equal(packed(x), F.linear(x, w, b))
-        x = torch.randn(3, 768)
-        torch.testing.assert_close(packed(x), F.linear(x, w, b), atol=1e-5, rtol=0)
-        assert torch.equal(packed(x), PackedLinear(w, b)(x))            # the oneDNN path, as without mkl_rows
-    assert "F.linear up to 2 rows" in repr(packed)

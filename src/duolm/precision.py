@@ -9,11 +9,9 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact. On x86 CPUs (fp32_engine()) PackedLinear runs oneDNN on the weight packed once into its blocked
-    layout (the same dot products in another order, within ~1e-6): faster than PyTorch's fp32 F.linear, which calls
-    MKL, at every size on other vendors' CPUs (MKL's slower paths there) and above two rows on Intel's, where MKL's
-    matrix-vector kernel keeps one or two rows (mkl_rows()). Elsewhere F.linear as it is. benchmarks/cpu_engines.py
-    times both.
+  * "fp32": exact. F.linear as it is, except on x86 CPUs not made by Intel (fp32_engine()), where PyTorch's fp32
+    F.linear calls MKL's slower paths: there PackedLinear runs oneDNN on the weight packed once into its blocked
+    layout (the same dot products in another order, within ~1e-6). benchmarks/cpu_engines.py times both.
   * "bf16": BF16Linear, a bf16 copy of the weight; the input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
     each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
@@ -117,19 +115,14 @@ def _works(kernel: str) -> bool:
 
 
 def fp32_engine() -> str:
-    """"onednn" on x86 CPUs where torch's oneDNN linear runs (PackedLinear), else "mkl" (plain F.linear). A rule
-    rather than a timing, so that every process on a machine makes the same choice and a resumed run, an evaluation
-    and a server compute the same numbers bit for bit."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """"onednn" on x86 CPUs not made by Intel where torch's oneDNN linear runs, else "mkl" (plain F.linear).
+    PyTorch's fp32 F.linear calls MKL, which on other vendors' CPUs takes slower code paths
+    (benchmarks/cpu_engines.py and benchmarks/models.py time both). A rule rather than a timing, so that every
+    process on a machine makes the same choice and a resumed run, an evaluation and a server compute the same
+    numbers bit for bit."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or _cpuinfo("vendor_id") == "GenuineIntel":
         return "mkl"
     return "onednn" if torch.backends.mkldnn.is_available() and _works("onednn") else "mkl"
-
-
-def mkl_rows() -> int:
-    """The row counts up to which PackedLinear keeps F.linear (MKL) on the plain weight: 2 on Intel's CPUs, whose MKL
-    reads a weight for one or two rows (decoding) at the memory's speed, faster than oneDNN's blocked layout; 0 on
-    other vendors' (MKL's slower paths there at every size). A vendor rule, as fp32_engine()."""
-    return 2 if _cpuinfo("vendor_id") == "GenuineIntel" else 0
 
 
 def onednn_rows(m: int) -> int:
@@ -238,25 +231,23 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_ra
 # the inference linears
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn");
-    products of at most `mkl_rows` rows (mkl_rows()) through F.linear on W, as are training forwards (autograd on)."""
+    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn").
+    With autograd on (a training forward), F.linear on W as it is."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mkl_rows: int = 0):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.register_buffer("packed", _pack(weight.detach()))
-        self.mkl_rows = mkl_rows
 
     def forward(self, x):
-        if (torch.is_grad_enabled() and x.requires_grad) or x.numel() <= self.mkl_rows * x.shape[-1]:
+        if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, self.bias)
         return _onednn(x, self.packed, self.bias)
 
     def extra_repr(self):
-        mkl = f" (F.linear up to {self.mkl_rows} rows)" if self.mkl_rows else ""
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
-               f"bias={self.bias is not None}, kernel=onednn fp32{mkl}"
+               f"bias={self.bias is not None}, kernel=onednn fp32"
 
 
 class BF16Linear(nn.Module):
@@ -315,9 +306,7 @@ def _swap(precision: str, device: torch.device):
     if precision == "bf16":
         return BF16Linear
     if precision == "fp32":
-        if device.type == "cpu" and fp32_engine() == "onednn":
-            return functools.partial(PackedLinear, mkl_rows=mkl_rows())
-        return None
+        return PackedLinear if device.type == "cpu" and fp32_engine() == "onednn" else None
     raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
 
 
