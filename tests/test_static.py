@@ -104,3 +104,16 @@ def test_a_decoder_does_not_keep_its_model_alive():
     del model
     gc.collect()
     assert ref() is None
+
+
+def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
+    """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear, what x86 CPUs other than
+    Intel's get): the compiled step traces F.linear (inductor cannot lower a weight packed outside it) and gives the
+    eager ids."""
+    from duolm import precision
+
+    monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
+    model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
+    assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
+    prompts = prompts_of(2, seed=3, vocab=512)
+    assert ids(model, prompts, 40, True, temperature=0) == ids(model, prompts, 40, False, temperature=0)

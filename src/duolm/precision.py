@@ -232,7 +232,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_ra
 
 class PackedLinear(nn.Module):
     """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn").
-    With autograd on (a training forward), F.linear on W as it is."""
+    With autograd on (a training forward) and under torch.compile, F.linear on W as it is."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -241,8 +241,8 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed", _pack(weight.detach()))
 
     def forward(self, x):
-        if torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, self.weight, self.bias)
+        if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)       # (inductor lowers only weights it packed itself)
         return _onednn(x, self.packed, self.bias)
 
     def extra_repr(self):
