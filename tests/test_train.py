@@ -9,6 +9,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -505,26 +506,19 @@ def fsdp_runs(gpt2_data, tmp_path_factory):
 
 def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_data, tmp_path):
     """FSDP2 (gloo, CPU) on 2 processes gives one process's losses and weights within 1e-5 (gradients averaged over
-    the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run killed
-    inside a sharded save resumes from the last complete checkpoint, and a run resumes at another process count and
-    kind — fsdp 2 -> fsdp 3 -> one process, ddp 2 -> fsdp 2 -> ddp 2 — with the global batch unchanged, and its
-    losses continue as the uninterrupted run's."""
+    the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run resumes
+    at another process count and kind — ddp 2 -> fsdp 3 -> fsdp 2 -> one process — with the global batch unchanged,
+    and its losses continue as the uninterrupted run's."""
     ckpt = fsdp_runs / "fsdp" / "ckpt-00000012"
     assert sorted(p.name for p in ckpt.iterdir() if "model" in p.name or p.is_dir()) == ["shards"]
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    # rank 0 killed inside the save of step 6, every shard written: the manifest still names step 4
-    a = tmp_path / "a"
-    p = _pretrain(gpt2_data, a, *_BATCH, "--parallel", "fsdp", crash="6:save", launcher=_torchrun(2), check=False)
-    assert p.returncode != 0 and json.loads((a / "checkpoint.json").read_text())["step"] == 4, p.stdout + p.stderr
-    assert (a / ".tmp-ckpt-00000006" / "shards" / ".metadata").is_file()
-    legs = {"a": [(3, "fsdp", 9), (1, "fsdp", 12)], "b": [(2, "ddp", 4), (2, "fsdp", 8), (2, "ddp", 12)]}
-    for name, runs_ in legs.items():
-        for n, parallel, steps in runs_:
-            _pretrain(gpt2_data, tmp_path / name, *_BATCH, "--parallel", parallel, "--max-steps", str(steps),
-                      "--resume", launcher=_torchrun(n) if n > 1 else ())
+    run = tmp_path / "run"
+    for n, parallel, steps in ((2, "ddp", 4), (3, "fsdp", 8), (2, "fsdp", 10), (1, "fsdp", 12)):
+        _pretrain(gpt2_data, run, *_BATCH, "--parallel", parallel, "--max-steps", str(steps), "--resume",
+                  launcher=_torchrun(n) if n > 1 else ())
     want = _losses(read_metrics(fsdp_runs / "one"))
     w1 = _weights(fsdp_runs / "one" / "ckpt-00000012")
-    for run in (fsdp_runs / "fsdp", a, tmp_path / "b"):
+    for run in (fsdp_runs / "fsdp", run):
         rows = read_metrics(run)
         assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13)), run
         assert _losses(rows) == pytest.approx(want, abs=1e-5, rel=0), run
@@ -532,7 +526,64 @@ def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_
         # scales up to steps of ~lr
         w = _weights(run / "ckpt-00000012")
         assert w.keys() == w1.keys() and all(torch.allclose(w1[k], w[k], atol=3e-5, rtol=0) for k in w1), run
-    assert not list(a.glob(".tmp-*"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(data, run, *extra, crash=None, timeout=300) -> list[subprocess.CompletedProcess]:
+    """`duolm pretrain` on two "nodes" of one process each: two torchrun launchers started together, meeting at a
+    free port of 127.0.0.1 (c10d rendezvous), as two machines would. A launcher whose peer never joins gives up after
+    60 s (the rendezvous' join timeout); both are stopped after `timeout` seconds in all (SIGTERM: torchrun stops its
+    workers, SIGKILLing them 30 s later), killed 60 s after that: the suite never hangs on them."""
+    port, procs = _free_port(), []
+    try:
+        for node in (0, 1):
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-id", "two-nodes", "--rdzv-conf", "join_timeout=60"]
+            cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        deadline = time.monotonic() + timeout
+        outs = [p.communicate(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.communicate(timeout=60)
+                finally:
+                    p.kill()
+
+
+def test_fsdp_on_two_nodes_and_killed_resumes_bit_for_bit(fsdp_runs, gpt2_data, tmp_path):
+    """The one-node 2-process FSDP2 run, bit for bit (losses, validation losses, final weights), made in three goes:
+    on two "nodes" (torchrun's c10d rendezvous at 127.0.0.1), SIGKILLed after step 5; resumed on one node at 2
+    processes and rank 0 killed inside the sharded save of step 8 (every shard written, the manifest still naming
+    step 6); resumed again to the end. Same process count, so the same sums in the same order: nothing is rounded
+    differently."""
+    run = tmp_path / "run"
+    nodes = _two_nodes(gpt2_data, run, *_BATCH, "--parallel", "fsdp", crash="5:step")
+    assert all(p.returncode != 0 for p in nodes), [p.stdout + p.stderr for p in nodes]
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 4
+    want = read_metrics(fsdp_runs / "fsdp")
+    assert _losses(read_metrics(run)) == _losses(want)[:4]      # two nodes == one node (kill after step 5)
+    p = _pretrain(gpt2_data, run, *_BATCH, "--parallel", "fsdp", "--resume", crash="8:save", launcher=_torchrun(2),
+                  check=False)
+    assert p.returncode != 0 and json.loads((run / "checkpoint.json").read_text())["step"] == 6, p.stdout + p.stderr
+    assert (run / ".tmp-ckpt-00000008" / "shards" / ".metadata").is_file()
+    _pretrain(gpt2_data, run, *_BATCH, "--parallel", "fsdp", "--resume", launcher=_torchrun(2))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [r["step"] for r in want]            # every step once
+    assert _losses(rows) == _losses(want)
+    assert [r.get("val_loss") for r in rows] == [r.get("val_loss") for r in want]
+    w, w2 = _weights(run / "ckpt-00000012"), _weights(fsdp_runs / "fsdp" / "ckpt-00000012")
+    assert w.keys() == w2.keys() and all(torch.equal(w[k], w2[k]) for k in w)
+    assert not list(run.glob(".tmp-*"))
 
 
 def test_fsdp_bf16_computes_with_bf16_parameters_and_keeps_fp32_shards():
