@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
 from duolm import dcp
@@ -89,6 +89,8 @@ def shard(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
         MixedPrecisionPolicy()
     for block in model.backbone.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
+        if hasattr(block, "cls"):       # BERT's last block at [CLS] alone (Bert.pooled): gathered as for forward
+            register_fsdp_forward_method(block, "cls")
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
