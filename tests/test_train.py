@@ -376,10 +376,10 @@ def gpt2_data(tmp_path_factory):
     return d / "data"
 
 
-def _pretrain_command(data, run, *extra, launcher=(), crash=None):
-    """(command, environment) of a tiny `duolm pretrain gpt2` of 12 steps (extra flags override)."""
+def _pretrain_command(data, run, *extra, launcher=(), crash=None, family="gpt2"):
+    """(command, environment) of a tiny `duolm pretrain gpt2` (or `family`) of 12 steps (extra flags override)."""
     start = [*(launcher or [sys.executable]), *([str(ROOT / "tests" / "crash_at.py"), crash] if crash else ["-m", "duolm"])]
-    cmd = [*start, "pretrain", "gpt2", "--data", str(data), "-o", str(run),
+    cmd = [*start, "pretrain", family, "--data", str(data), "-o", str(run),
            "--preset", "tiny", "--block-size", "32", "--batch-size", "8", "--micro-batch-size", "2",
            "--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--checkpoint-every", "2",
            "--eval-every", "4", "--eval-batches", "2", "--quiet", "--precision", "fp32", *extra]
@@ -390,20 +390,20 @@ def _pretrain_command(data, run, *extra, launcher=(), crash=None):
     return cmd, env
 
 
-def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
-    cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash)
+def _pretrain(data, run, *extra, launcher=(), crash=None, check=True, family="gpt2"):
+    cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash, family=family)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if check:
         assert p.returncode == 0, p.stdout + p.stderr
     return p
 
 
-def _pretrain_here(data, run, *extra):
+def _pretrain_here(data, run, *extra, family="gpt2"):
     """_pretrain in this process, on one thread (no interpreter to start): for runs whose numbers are compared to
     another's within a tolerance, or not at all (bit-for-bit comparisons run every side in a subprocess)."""
     from duolm.cli import main
 
-    cmd, _ = _pretrain_command(data, run, *extra)
+    cmd, _ = _pretrain_command(data, run, *extra, family=family)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -643,6 +643,27 @@ def test_fsdp_bf16_with_activation_checkpointing_runs_as_one_process(gpt2_data, 
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(tmp_path / "fsdp" / "ckpt-00000006" / "shards").read_metadata().state_dict_metadata
     assert {m.properties.dtype for k, m in saved.items() if k.startswith("model.")} == {torch.float32}
+
+
+def test_bert_under_fsdp_is_one_process(tmp_path):
+    """A tiny BERT pretrained (MLM + NSP, the MLM decoder tied to the token embedding) under FSDP2 on 2 processes
+    gives one process's losses within 1e-5 in fp32, MLM's and NSP's apart."""
+    from duolm.data import prepare
+    from duolm.tokenizers import WordPiece
+
+    rng = random.Random(0)
+    words = "the king and queen of a small land said that all men must go to sea when winter comes".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + " ." for _ in range(1000)]
+    (tmp_path / "docs.txt").write_text("\n\n".join("\n".join(lines[i:i + 10]) for i in range(0, 1000, 10)))
+    prepare([tmp_path / "docs.txt"], WordPiece.train(lines, vocab_size=200), tmp_path / "data", val_fraction=0.1,
+            chunk_chars=4096)
+    bert = (*_BATCH, "--max-steps", "6", "--dropout", "0")
+    _pretrain_here(tmp_path / "data", tmp_path / "one", *bert, family="bert")
+    _pretrain(tmp_path / "data", tmp_path / "fsdp", *bert, "--parallel", "fsdp", launcher=_torchrun(2), family="bert")
+    one, fsdp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    for key in ("loss", "mlm_loss", "nsp_loss", "val_loss"):
+        want, got = [r[key] for r in one if key in r], [r[key] for r in fsdp if key in r]
+        assert len(got) == len(want) > 1 and got == pytest.approx(want, abs=1e-5, rel=0), key
 
 
 def test_sharded_checkpoint_converts_to_hf_and_a_broken_shard_is_one_line(fsdp_runs, tmp_path, capsys):
