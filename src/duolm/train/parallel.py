@@ -59,11 +59,11 @@ def rank_world() -> tuple[int, int]:
 def process_group(device: str | None = None, env=os.environ):
     """setup_distributed() for the block inside, which gets (device, rank); the process group it joined is left on
     exit (one joined already, by an enclosing block, is left to that block)."""
-    joined = dist.is_initialized()
+    joined = dist.is_available() and dist.is_initialized()
     try:
         yield setup_distributed(device, env)
     finally:
-        if not joined and dist.is_initialized():
+        if not joined and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
 
 
