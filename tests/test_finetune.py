@@ -647,3 +647,33 @@ def test_seeds_in_parallel_processes_give_the_same_runs(tiny_bert_dir, sst2_csv,
     assert [r["seed"] for r in two["runs"]] == [0, 1] and (tmp_path / "two" / "seed-1" / "best").is_dir()
     for a, b in zip(one["runs"], two["runs"]):
         assert b["metrics"] == pytest.approx(a["metrics"], abs=1e-5) and a["step"] == b["step"]
+
+
+def test_finetune_under_torchrun_fsdp_is_one_process(tiny_bert_dir, sst2_csv, tmp_path, one_thread):
+    """`duolm finetune --parallel fsdp` under torchrun on 2 processes (gloo, fp32): a tiny BERT's losses, dev
+    metrics and best model are one process's within 1e-5; rank 0 alone reports (one JSON object) and writes."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from duolm.runs import read_metrics
+
+    files = Files(train=sst2_csv / "train.csv", dev=sst2_csv / "dev.csv", **SST2_COLUMNS)
+    one = finetune(tiny_bert_dir, "classify", tmp_path / "one",
+                   ft_config(lr=1e-3, batch_size=16, epochs=1, max_length=24, dropout=0.0, precision="fp32"), files)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "duolm",
+           "finetune", str(tiny_bert_dir), "--task", "classify", "--train", str(files.train), "--dev", str(files.dev),
+           "--text-column", "review", "--label-column", "sentiment", "-o", str(tmp_path / "fsdp"), "--lr", "1e-3",
+           "--batch-size", "16", "--epochs", "1", "--max-length", "24", "--dropout", "0", "--precision", "fp32",
+           "--parallel", "fsdp", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    two = json.loads(p.stdout)                                       # one line: rank 1 printed nothing
+    assert two["best"]["metrics"] == pytest.approx(one["best"]["metrics"], abs=1e-5) and two["best"]["step"] == 6
+    losses = [[r["loss"] for r in read_metrics(tmp_path / run) if "loss" in r] for run in ("one", "fsdp")]
+    assert len(losses[1]) == 6 and losses[1] == pytest.approx(losses[0], abs=1e-5, rel=0)
+    (a, _), (b, _) = load(tmp_path / "one" / "best"), load(tmp_path / "fsdp" / "best")    # gathered whole on rank 0
+    wa, wb = a.state_dict(), b.state_dict()
+    assert wa.keys() == wb.keys() and all(torch.allclose(wa[k], wb[k], atol=1e-5, rtol=0) for k in wa)

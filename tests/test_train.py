@@ -9,6 +9,7 @@ import math
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -375,10 +376,10 @@ def gpt2_data(tmp_path_factory):
     return d / "data"
 
 
-def _pretrain_command(data, run, *extra, launcher=(), crash=None):
-    """(command, environment) of a tiny `duolm pretrain gpt2` of 12 steps (extra flags override)."""
+def _pretrain_command(data, run, *extra, launcher=(), crash=None, family="gpt2"):
+    """(command, environment) of a tiny `duolm pretrain gpt2` (or `family`) of 12 steps (extra flags override)."""
     start = [*(launcher or [sys.executable]), *([str(ROOT / "tests" / "crash_at.py"), crash] if crash else ["-m", "duolm"])]
-    cmd = [*start, "pretrain", "gpt2", "--data", str(data), "-o", str(run),
+    cmd = [*start, "pretrain", family, "--data", str(data), "-o", str(run),
            "--preset", "tiny", "--block-size", "32", "--batch-size", "8", "--micro-batch-size", "2",
            "--max-steps", "12", "--lr", "3e-3", "--warmup-steps", "2", "--checkpoint-every", "2",
            "--eval-every", "4", "--eval-batches", "2", "--quiet", "--precision", "fp32", *extra]
@@ -389,12 +390,26 @@ def _pretrain_command(data, run, *extra, launcher=(), crash=None):
     return cmd, env
 
 
-def _pretrain(data, run, *extra, launcher=(), crash=None, check=True):
-    cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash)
+def _pretrain(data, run, *extra, launcher=(), crash=None, check=True, family="gpt2"):
+    cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash, family=family)
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     if check:
         assert p.returncode == 0, p.stdout + p.stderr
     return p
+
+
+def _pretrain_here(data, run, *extra, family="gpt2"):
+    """_pretrain in this process, on one thread (no interpreter to start): for runs whose numbers are compared to
+    another's within a tolerance, or not at all (bit-for-bit comparisons run every side in a subprocess)."""
+    from duolm.cli import main
+
+    cmd, _ = _pretrain_command(data, run, *extra, family=family)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        main(cmd[cmd.index("pretrain"):])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _weights(ckpt):
@@ -429,7 +444,7 @@ def test_sigkill_anywhere_then_resume_is_exact(gpt2_data, tmp_path):
     assert not list(b.glob(".tmp-*"))
 
 
-def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path):
+def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path, capsys):
     """bf16 autocast (fp32 weights and optimizer state): a run killed after step 5 and resumed equals the run
     straight through, bit for bit; resuming it in fp32 is refused in one line."""
     bf16 = ("--dropout", "0.1", "--precision", "bf16")
@@ -437,8 +452,11 @@ def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path):
     b = tmp_path / "b"
     p = _pretrain(gpt2_data, b, *bf16, "--resume", crash="5:step", check=False)
     assert p.returncode == -signal.SIGKILL, p.stdout + p.stderr
-    p = _pretrain(gpt2_data, b, "--resume", check=False)
-    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "trained in bf16" in p.stderr, p.stderr
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        _pretrain_here(gpt2_data, b, "--resume")
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and "trained in bf16" in err, err
     _pretrain(gpt2_data, b, *bf16, "--resume")
     rows_a, rows_b = read_metrics(tmp_path / "a"), read_metrics(b)
     assert _losses(rows_b) == _losses(rows_a)
@@ -447,20 +465,21 @@ def test_sigkill_then_resume_is_exact_under_bf16(gpt2_data, tmp_path):
     assert json.loads((b / "checkpoint.json").read_text())["precision"] == "bf16"
 
 
-def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path):
+def test_pretrain_records_the_precision_auto_resolved_to(gpt2_data, tmp_path, capsys):
     """`duolm pretrain --precision auto` resolves it once: the header says what it became, the manifest records it."""
     from duolm.precision import resolve
 
-    p = _pretrain(gpt2_data, tmp_path / "run", "--max-steps", "2", "--precision", "auto")
+    _pretrain_here(gpt2_data, tmp_path / "run", "--max-steps", "2", "--precision", "auto")
+    out = capsys.readouterr().out
     auto = resolve("auto", "cpu", training=True)
-    assert f"parameters on cpu in {auto}" in p.stdout, p.stdout
+    assert f"parameters on cpu in {auto}" in out, out
     # the step laid out over the processes, and the memory estimate a process
     assert "\n1 process(es): 8 sequences each a step in 4 micro-batch(es) of 2; memory a process (estimate): " \
-        "parameters " in p.stdout, p.stdout
+        "parameters " in out, out
     assert json.loads((tmp_path / "run" / "checkpoint.json").read_text())["precision"] == auto
 
 
-def test_one_run_directory_has_one_writer(gpt2_data, tmp_path):
+def test_one_run_directory_has_one_writer(gpt2_data, tmp_path, capsys):
     """A second `duolm pretrain` into a directory another process is training into is refused at once, in one line
     naming the directory and the holder; the first run, stopped afterwards by SIGTERM, is complete and intact
     (every step logged once, its last step checkpointed) and resumes at once: the OS released the lock."""
@@ -472,17 +491,23 @@ def test_one_run_directory_has_one_writer(gpt2_data, tmp_path):
         while not ((run / ".lock").is_file() and f"process {first.pid}" in (run / ".lock").read_text()):
             assert first.poll() is None and time.monotonic() < deadline, first.communicate()
             time.sleep(0.05)
-        second = _pretrain(gpt2_data, run, "--max-steps", "100000", "--resume", check=False)
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as second:
+            _pretrain_here(gpt2_data, run, "--max-steps", "100000", "--resume")
+        refused = capsys.readouterr().err
+        while not any("loss" in r for r in read_metrics(run)):    # in its loop, where SIGTERM stops it cleanly
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()
+            time.sleep(0.05)
         first.send_signal(signal.SIGTERM)
         out, err = first.communicate(timeout=300)
     finally:
         first.kill()
-    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
-    assert str(run) in second.stderr and f"process {first.pid} on " in second.stderr, second.stderr
+    assert second.value.code == 2 and refused.count("\n") == 1, refused
+    assert str(run) in refused and f"process {first.pid} on " in refused, refused
     assert first.returncode == 0 and "stopped by SIGTERM" in out, out + err
     steps = [r["step"] for r in read_metrics(run) if "loss" in r]
     assert steps == list(range(1, len(steps) + 1)) and json.loads((run / "checkpoint.json").read_text())["step"] == steps[-1]
-    _pretrain(gpt2_data, run, "--max-steps", str(steps[-1] + 1), "--resume")
+    _pretrain_here(gpt2_data, run, "--max-steps", str(steps[-1] + 1), "--resume")
     assert [r["step"] for r in read_metrics(run) if "loss" in r] == steps + [steps[-1] + 1]
 
 
@@ -495,9 +520,9 @@ _BATCH = ("--batch-size", "12", "--micro-batch-size", "2", "--decay", "constant"
 
 @pytest.fixture(scope="module")
 def fsdp_runs(gpt2_data, tmp_path_factory):
-    """12 steps in one process (runs/one) and under FSDP2 on 2 processes (runs/fsdp)."""
+    """12 steps in one process (runs/one: this one) and under FSDP2 on 2 processes (runs/fsdp)."""
     root = tmp_path_factory.mktemp("runs")
-    _pretrain(gpt2_data, root / "one", *_BATCH)
+    _pretrain_here(gpt2_data, root / "one", *_BATCH)
     fsdp = _pretrain(gpt2_data, root / "fsdp", *_BATCH, "--parallel", "fsdp", launcher=_torchrun(2))
     assert fsdp.stdout.count("done at step 12") == 1
     return root
@@ -505,26 +530,20 @@ def fsdp_runs(gpt2_data, tmp_path_factory):
 
 def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_data, tmp_path):
     """FSDP2 (gloo, CPU) on 2 processes gives one process's losses and weights within 1e-5 (gradients averaged over
-    the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run killed
-    inside a sharded save resumes from the last complete checkpoint, and a run resumes at another process count and
-    kind — fsdp 2 -> fsdp 3 -> one process, ddp 2 -> fsdp 2 -> ddp 2 — with the global batch unchanged, and its
-    losses continue as the uninterrupted run's."""
+    the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run resumes
+    at another process count and kind — ddp 2 -> fsdp 3 -> fsdp 2 -> one process — with the global batch unchanged,
+    and its losses continue as the uninterrupted run's."""
     ckpt = fsdp_runs / "fsdp" / "ckpt-00000012"
     assert sorted(p.name for p in ckpt.iterdir() if "model" in p.name or p.is_dir()) == ["shards"]
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
-    # rank 0 killed inside the save of step 6, every shard written: the manifest still names step 4
-    a = tmp_path / "a"
-    p = _pretrain(gpt2_data, a, *_BATCH, "--parallel", "fsdp", crash="6:save", launcher=_torchrun(2), check=False)
-    assert p.returncode != 0 and json.loads((a / "checkpoint.json").read_text())["step"] == 4, p.stdout + p.stderr
-    assert (a / ".tmp-ckpt-00000006" / "shards" / ".metadata").is_file()
-    legs = {"a": [(3, "fsdp", 9), (1, "fsdp", 12)], "b": [(2, "ddp", 4), (2, "fsdp", 8), (2, "ddp", 12)]}
-    for name, runs_ in legs.items():
-        for n, parallel, steps in runs_:
-            _pretrain(gpt2_data, tmp_path / name, *_BATCH, "--parallel", parallel, "--max-steps", str(steps),
-                      "--resume", launcher=_torchrun(n) if n > 1 else ())
+    run = tmp_path / "run"
+    for n, parallel, steps in ((2, "ddp", 4), (3, "fsdp", 8), (2, "fsdp", 10)):
+        _pretrain(gpt2_data, run, *_BATCH, "--parallel", parallel, "--max-steps", str(steps), "--resume",
+                  launcher=_torchrun(n))
+    _pretrain_here(gpt2_data, run, *_BATCH, "--resume")                     # to step 12 in one process (this one)
     want = _losses(read_metrics(fsdp_runs / "one"))
     w1 = _weights(fsdp_runs / "one" / "ckpt-00000012")
-    for run in (fsdp_runs / "fsdp", a, tmp_path / "b"):
+    for run in (fsdp_runs / "fsdp", run):
         rows = read_metrics(run)
         assert [r["step"] for r in rows if "loss" in r] == list(range(1, 13)), run
         assert _losses(rows) == pytest.approx(want, abs=1e-5, rel=0), run
@@ -532,7 +551,64 @@ def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_
         # scales up to steps of ~lr
         w = _weights(run / "ckpt-00000012")
         assert w.keys() == w1.keys() and all(torch.allclose(w1[k], w[k], atol=3e-5, rtol=0) for k in w1), run
-    assert not list(a.glob(".tmp-*"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_nodes(data, run, *extra, crash=None, timeout=300) -> list[subprocess.CompletedProcess]:
+    """`duolm pretrain` on two "nodes" of one process each: two torchrun launchers started together, meeting at a
+    free port of 127.0.0.1 (c10d rendezvous), as two machines would. A launcher whose peer never joins gives up after
+    60 s (the rendezvous' join timeout); both are stopped after `timeout` seconds in all (SIGTERM: torchrun stops its
+    workers, SIGKILLing them 30 s later), killed 60 s after that: the suite never hangs on them."""
+    port, procs = _free_port(), []
+    try:
+        for node in (0, 1):
+            launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+                        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                        "--rdzv-id", "two-nodes", "--rdzv-conf", "join_timeout=60"]
+            cmd, env = _pretrain_command(data, run, *extra, launcher=launcher, crash=crash)
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+        deadline = time.monotonic() + timeout
+        outs = [p.communicate(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+        return [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.communicate(timeout=60)
+                finally:
+                    p.kill()
+
+
+def test_fsdp_on_two_nodes_and_killed_resumes_bit_for_bit(fsdp_runs, gpt2_data, tmp_path):
+    """The one-node 2-process FSDP2 run, bit for bit (losses, validation losses, final weights), made in three goes:
+    on two "nodes" (torchrun's c10d rendezvous at 127.0.0.1), SIGKILLed after step 5; resumed on one node at 2
+    processes and rank 0 killed inside the sharded save of step 8 (every shard written, the manifest still naming
+    step 6); resumed again to the end. Same process count, so the same sums in the same order: nothing is rounded
+    differently."""
+    run = tmp_path / "run"
+    nodes = _two_nodes(gpt2_data, run, *_BATCH, "--parallel", "fsdp", crash="5:step")
+    assert all(p.returncode != 0 for p in nodes), [p.stdout + p.stderr for p in nodes]
+    assert json.loads((run / "checkpoint.json").read_text())["step"] == 4
+    want = read_metrics(fsdp_runs / "fsdp")
+    assert _losses(read_metrics(run)) == _losses(want)[:4]      # two nodes == one node (kill after step 5)
+    p = _pretrain(gpt2_data, run, *_BATCH, "--parallel", "fsdp", "--resume", crash="8:save", launcher=_torchrun(2),
+                  check=False)
+    assert p.returncode != 0 and json.loads((run / "checkpoint.json").read_text())["step"] == 6, p.stdout + p.stderr
+    assert (run / ".tmp-ckpt-00000008" / "shards" / ".metadata").is_file()
+    _pretrain(gpt2_data, run, *_BATCH, "--parallel", "fsdp", "--resume", launcher=_torchrun(2))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [r["step"] for r in want]            # every step once
+    assert _losses(rows) == _losses(want)
+    assert [r.get("val_loss") for r in rows] == [r.get("val_loss") for r in want]
+    w, w2 = _weights(run / "ckpt-00000012"), _weights(fsdp_runs / "fsdp" / "ckpt-00000012")
+    assert w.keys() == w2.keys() and all(torch.equal(w[k], w2[k]) for k in w)
+    assert not list(run.glob(".tmp-*"))
 
 
 def test_fsdp_bf16_computes_with_bf16_parameters_and_keeps_fp32_shards():
@@ -559,7 +635,7 @@ def test_fsdp_bf16_with_activation_checkpointing_runs_as_one_process(gpt2_data, 
     """--precision bf16 under FSDP2 on 2 processes (gloo gathers the bf16 parameters), with --activation-checkpointing:
     the losses are one process's bf16 autocast run's to bf16's rounding, the checkpointed weights fp32."""
     bf16 = (*_BATCH, "--precision", "bf16", "--max-steps", "6")
-    _pretrain(gpt2_data, tmp_path / "one", *bf16)
+    _pretrain_here(gpt2_data, tmp_path / "one", *bf16)
     _pretrain(gpt2_data, tmp_path / "fsdp", *bf16, "--parallel", "fsdp", "--activation-checkpointing",
               launcher=_torchrun(2))
     want, got = _losses(read_metrics(tmp_path / "one")), _losses(read_metrics(tmp_path / "fsdp"))
@@ -567,6 +643,27 @@ def test_fsdp_bf16_with_activation_checkpointing_runs_as_one_process(gpt2_data, 
     from torch.distributed.checkpoint import FileSystemReader
     saved = FileSystemReader(tmp_path / "fsdp" / "ckpt-00000006" / "shards").read_metadata().state_dict_metadata
     assert {m.properties.dtype for k, m in saved.items() if k.startswith("model.")} == {torch.float32}
+
+
+def test_bert_under_fsdp_is_one_process(tmp_path):
+    """A tiny BERT pretrained (MLM + NSP, the MLM decoder tied to the token embedding) under FSDP2 on 2 processes
+    gives one process's losses within 1e-5 in fp32, MLM's and NSP's apart."""
+    from duolm.data import prepare
+    from duolm.tokenizers import WordPiece
+
+    rng = random.Random(0)
+    words = "the king and queen of a small land said that all men must go to sea when winter comes".split()
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(5, 15))) + " ." for _ in range(1000)]
+    (tmp_path / "docs.txt").write_text("\n\n".join("\n".join(lines[i:i + 10]) for i in range(0, 1000, 10)))
+    prepare([tmp_path / "docs.txt"], WordPiece.train(lines, vocab_size=200), tmp_path / "data", val_fraction=0.1,
+            chunk_chars=4096)
+    bert = (*_BATCH, "--max-steps", "6", "--dropout", "0")
+    _pretrain_here(tmp_path / "data", tmp_path / "one", *bert, family="bert")
+    _pretrain(tmp_path / "data", tmp_path / "fsdp", *bert, "--parallel", "fsdp", launcher=_torchrun(2), family="bert")
+    one, fsdp = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "fsdp")
+    for key in ("loss", "mlm_loss", "nsp_loss", "val_loss"):
+        want, got = [r[key] for r in one if key in r], [r[key] for r in fsdp if key in r]
+        assert len(got) == len(want) > 1 and got == pytest.approx(want, abs=1e-5, rel=0), key
 
 
 def test_sharded_checkpoint_converts_to_hf_and_a_broken_shard_is_one_line(fsdp_runs, tmp_path, capsys):

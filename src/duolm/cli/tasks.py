@@ -53,8 +53,12 @@ def cmd_finetune(args):
         kw = dict(device=args.device, resume=args.resume, on_start=on_start, on_log=on_log)
         if args.suite:
             finetune_glue(args.model, args.data, args.out, options(FinetuneConfig, args), **kw)
-            return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
-        res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), _files(args), **kw)
+        else:
+            res = finetune(args.model, args.task, args.out, options(FinetuneConfig, args), _files(args), **kw)
+    if bar is None:                                # under torchrun, a process other than rank 0: rank 0 reports
+        return
+    if args.suite:
+        return print((Path(args.out) / "glue.md").read_text(encoding="utf-8"))
     print(json.dumps({k: res[k] for k in ("task", "metric", "runs", "mean", "std", "best", "result")})
           if args.json else (Path(args.out) / "results.md").read_text(encoding="utf-8"))
 

@@ -133,17 +133,16 @@ class Block(nn.Module):
         x = self.ln_2(x + self.mlp(x))
         return x
 
+    def cls(self, x, mask=None):
+        """self(x, mask)[:, :1] computed for the first ([CLS]) query only -> (B, 1, C).
 
-def cls_block(block: Block, x, mask=None):
-    """block(x, mask)[:, :1] computed for the first ([CLS]) query only -> (B, 1, C).
-
-    The same equation on the one row the pooler reads: every position is still a key and a value (their
-    projection is the block's own c_attn, queries included), but the attention, its output projection, both
-    LayerNorms and the MLP run on [CLS] alone."""
-    q, k, v = block.attn.c_attn(x).split(x.shape[-1], dim=2)  # (B, T, C) each: every key and value
-    x = block.ln_1(x[:, :1] + block.attn.attend(q[:, :1], k, v, mask))
-    x = block.ln_2(x + block.mlp(x))
-    return x
+        The same equation on the one row the pooler reads: every position is still a key and a value (their
+        projection is the block's own c_attn, queries included), but the attention, its output projection, both
+        LayerNorms and the MLP run on [CLS] alone. (A second entry point: FSDP2 is told of it, duolm.train.parallel.)"""
+        q, k, v = self.attn.c_attn(x).split(x.shape[-1], dim=2)  # (B, T, C) each: every key and value
+        x = self.ln_1(x[:, :1] + self.attn.attend(q[:, :1], k, v, mask))
+        x = self.ln_2(x + self.mlp(x))
+        return x
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,12 +235,12 @@ class Bert(nn.Module):
     def pooled(self, idx, segment_ids=None, attention_mask=None):
         """forward(...)[1] alone -> pooled (B, C), what the sequence heads read. Every layer but the last
         runs in full; in the last, only the keys and values are computed at every position and the rest at
-        the [CLS] row alone (cls_block), as that is all the pooler reads. Same numbers as forward up to
+        the [CLS] row alone (Block.cls), as that is all the pooler reads. Same numbers as forward up to
         fp32 rounding (another split of the same matmuls)."""
         x, mask = self._embed(idx, segment_ids, attention_mask)
         for block in self.h[:-1]:
             x = block(x, mask)
-        x = cls_block(self.h[-1], x, mask)                # (B, 1, C)
+        x = self.h[-1].cls(x, mask)                       # (B, 1, C)
         return torch.tanh(self.pool(x[:, 0]))
 
 

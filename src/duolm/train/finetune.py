@@ -29,6 +29,7 @@ from duolm.tasks import Files, TaskBatches, TaskOptions
 from duolm.tasks.glue import GLUE
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, train
+from duolm.train.parallel import process_group, rank_world
 
 # --- the recipe ------------------------------------------------------------------------------------
 
@@ -45,7 +46,7 @@ FINETUNE_LOOP = TrainConfig(batch_size=32, weight_decay=0.01, betas=(0.9, 0.999)
 LOOP_OPTIONS = {"batch_size": "examples per optimizer step", "micro_batch_size": "examples per forward (default: "
                 "the whole batch)", "weight_decay": None, "grad_clip": None, "eval_every": "also validate every N "
                 "steps (0: after every epoch)", "seed": "first seed; seeds are seed, seed+1, ...", "compile": None,
-                "precision": None, "activation_checkpointing": None}
+                "precision": None, "activation_checkpointing": None, "parallel": None}
 
 
 @dataclass
@@ -116,12 +117,13 @@ def _one_run(base, tok, task: tasks.Prepared, cfg: FinetuneConfig, lr: float, se
                 resume=resume, on_log=on_log)
     if out["stopped"]:
         raise InterruptedError(f"stopped by SIGTERM at step {out['step']} of {run_dir} (saved; --resume continues)")
-    plot_run(run_dir)
     evals = [r for r in read_metrics(run_dir) if isinstance(r.get(main), float) and not math.isnan(r[main])]
     best = max(evals, key=lambda r: r[main]) if evals else {"step": max_steps}
     metrics = {k[4:]: v for k, v in best.items() if k.startswith("val_")}
-    if "null_threshold" in metrics and (Path(run_dir) / "best").is_dir():
-        _save_into_head(Path(run_dir) / "best", null_threshold=metrics["null_threshold"])
+    if rank_world()[0] == 0:                                 # (every rank validates alike; rank 0 writes)
+        plot_run(run_dir)
+        if "null_threshold" in metrics and (Path(run_dir) / "best").is_dir():
+            _save_into_head(Path(run_dir) / "best", null_threshold=metrics["null_threshold"])
     return {"run": Path(run_dir).name, "lr": lr, "seed": seed, "step": best["step"],
             "epoch": round(best["step"] / per_epoch, 2), "metrics": metrics}
 
@@ -182,36 +184,47 @@ def finetune(model, task: str, run_dir, config: FinetuneConfig | None = None, fi
     model is copied to run_dir/best. run_dir/results.json and results.md hold each run's best dev metrics,
     mean and std over the seeds, and the best run. on_start(info) is called once the data is encoded
     (sizes, notes, truncated counts); on_log(row) with every row of every run.
+    Under torchrun every run spreads over the processes (cfg.loop.parallel: ddp or fsdp), one run after another;
+    on_start and on_log are called, and the files written, on rank 0.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    base, tok, family = load_pretrained(model, dev)
-    files = files or Files()
-    cfg = (config or FinetuneConfig()).resolved(family, tasks.task(task).kinds[0])
-    cfg = replace(cfg, loop=replace(cfg.loop, precision=resolve(cfg.loop.precision, dev, training=True)))
-    prepared = _prepare(model, task, tok, family, cfg, base.config.block_size, files)
-    lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
-    seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
-    info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
-            "metric": prepared.metrics[0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared.train, cfg)[1],
-            "max_length": prepared.head.max_length, "precision": cfg.loop.precision,
-            "config": asdict(cfg)}
-    if on_start is not None:
-        on_start(info)
-    run_dir = Path(run_dir)
-    single = len(lrs) == 1 and cfg.seeds == 1
-    plan = [(lr, seed, run_dir if single else run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}"))
-            for lr in lrs for seed in seeds]
-    if cfg.jobs > 1 and len(plan) > 1:
-        runs_ = _parallel(model, task, files, cfg, plan, dev, resume)
-    else:
-        runs_ = [_one_run(base, tok, prepared, cfg, lr, seed, sub, dev, resume, on_log) for lr, seed, sub in plan]
-    results = {**info, **summarize(runs_, info["metric"], cfg.select)}
+    with process_group(device) as (dev, rank):
+        base, tok, family = load_pretrained(model, dev)
+        files = files or Files()
+        cfg = (config or FinetuneConfig()).resolved(family, tasks.task(task).kinds[0])
+        cfg = replace(cfg, loop=replace(cfg.loop, precision=resolve(cfg.loop.precision, dev, training=True)))
+        prepared = _prepare(model, task, tok, family, cfg, base.config.block_size, files)
+        lrs = LR_GRID if cfg.lr_grid else (cfg.lr,)
+        seeds = range(cfg.loop.seed, cfg.loop.seed + cfg.seeds)
+        info = {"model": str(model), "family": family, "device": str(dev), **prepared.info,
+                "metric": prepared.metrics[0], "runs": len(lrs) * cfg.seeds, "steps": _steps(prepared.train, cfg)[1],
+                "max_length": prepared.head.max_length, "precision": cfg.loop.precision,
+                "config": asdict(cfg)}
+        if on_start is not None and rank == 0:
+            on_start(info)
+        run_dir = Path(run_dir)
+        single = len(lrs) == 1 and cfg.seeds == 1
+        plan = [(lr, seed, run_dir if single else
+                 run_dir / (f"seed-{seed}" if len(lrs) == 1 else f"lr-{lr:g}-seed-{seed}")) for lr in lrs for seed in seeds]
+        if cfg.jobs > 1 and len(plan) > 1:
+            if rank_world()[1] > 1:
+                raise ValueError(f"jobs={cfg.jobs} runs seeds in worker processes of one process; under torchrun "
+                                 f"the runs take turns over all the processes: jobs 1")
+            runs_ = _parallel(model, task, files, cfg, plan, dev, resume)
+        else:
+            runs_ = [_one_run(base, tok, prepared, cfg, lr, seed, sub, dev, resume, on_log) for lr, seed, sub in plan]
+        results = {**info, **summarize(runs_, info["metric"], cfg.select)}
+        if rank == 0:
+            _write_results(run_dir, results, single)
+        return results
+
+
+def _write_results(run_dir: Path, results: dict, single: bool) -> None:
+    """results.json and results.md; with several runs, the best one's model copied to run_dir/best."""
     if not single:
         best = run_dir / results["best"]["run"] / "best"
         replace_folder(run_dir / "best", lambda d: [shutil.copy2(f, d / f.name) for f in best.iterdir()])
     write_json(run_dir / "results.json", results)
     write_text(run_dir / "results.md", results_table(results))
-    return results
 
 
 def summarize(runs: list[dict], metric: str, select: str = "mean") -> dict:
@@ -268,10 +281,12 @@ def finetune_glue(model, data_dir, run_dir, config: FinetuneConfig | None = None
     found = [name for name, t in GLUE.items() if (Path(data_dir) / t.folder / "train.tsv").is_file()]
     if not found:
         raise FileNotFoundError(f"{data_dir}: no GLUE task folder with a train.tsv ({', '.join(t.folder for t in GLUE.values())})")
-    results = {name: finetune(model, name, Path(run_dir) / name, config, Files(data=Path(data_dir) / GLUE[name].folder),
-                              **kw)
-               for name in found}
-    write_text(Path(run_dir) / "glue.md", glue_table(results))
+    with process_group(kw.get("device")) as (_, rank):          # (under torchrun, joined once for every task)
+        results = {name: finetune(model, name, Path(run_dir) / name, config,
+                                  Files(data=Path(data_dir) / GLUE[name].folder), **kw)
+                   for name in found}
+        if rank == 0:
+            write_text(Path(run_dir) / "glue.md", glue_table(results))
     return results
 
 

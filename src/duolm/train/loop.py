@@ -38,7 +38,7 @@ from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
 from duolm.train.optim import lr_at, make_optimizer
 from duolm.train.parallel import (PARALLEL, activation_checkpointing, load_model_state, load_optimizer_state,
-                                  load_shards, model_state, no_sync, save_shards, sharded, wrap)
+                                  load_shards, model_state, no_sync, rank_world, save_shards, sharded, wrap)
 
 TRAIN_STATE = "train_state.pt"
 
@@ -81,15 +81,9 @@ class TrainConfig:
             raise ValueError(f"select_mode={self.select_mode!r} must be 'max' or 'min'")
 
 
-def _world():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _all_reduce(values: dict, device) -> dict:
     """Sums a dict of numbers over ranks (identity in one process)."""
-    if not values or _world()[1] == 1:
+    if not values or rank_world()[1] == 1:
         return {k: float(v) for k, v in values.items()}
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
@@ -190,7 +184,7 @@ def loss_validator(objective: Objective, val_data, cfg: TrainConfig):
     """validate(model, step) -> {"val_loss": ..., "val_<metric>": ...} over cfg.eval_batches of `val_data`, in fp32
     (as `duolm evaluate` scores the saved model)."""
     def validate(model, step):
-        rank, world = _world()
+        rank, world = rank_world()
         batches = val_data.eval_batches(cfg.batch_size, rank=rank, world_size=world, max_batches=cfg.eval_batches)
         micro = cfg.micro_batch_size or cfg.batch_size // world
         metrics = evaluate(model, objective, batches, micro)
@@ -277,7 +271,7 @@ class _Run:
                  sinks: list, world: int):
         self.model, self.optimizer, self.cfg, self.run_dir, self.tokenizer = model, optimizer, cfg, run_dir, tokenizer
         self.precision, self.progress, self.sinks, self.world = precision, progress, sinks, world
-        self.writer = _world()[0] == 0 and run_dir is not None
+        self.writer = rank_world()[0] == 0 and run_dir is not None
         self.rows: list[dict] = []
 
     def log(self, row: dict):
@@ -354,7 +348,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     Training forwards run in cfg.precision (duolm.precision.autocast; "auto" resolved here once, as
     duolm.precision.resolve says), which the manifest records.
     """
-    rank, world = _world()
+    rank, world = rank_world()
     device = next(model.parameters()).device
     micro = micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)

@@ -1,5 +1,6 @@
 """Training on several processes (torchrun): DDP replicas or FSDP2 shards, and their state on disk.
 
+    with process_group(device) as (dev, rank): ...   # under torchrun, in its process group (gloo or NCCL)
     fwd = wrap(model, "fsdp", world, device, precision)   # FSDP2 over each transformer block, then the root:
                                                # parameters, gradients and optimizer state sharded over the processes
     with activation_checkpointing(model): ...  # each block's activations recomputed in the backward pass
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 import torch.distributed as dist
@@ -24,12 +26,45 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
 from duolm import dcp
 
 PARALLEL = ("ddp", "fsdp")
+
+
+def setup_distributed(device: str | None = None, env=os.environ):
+    """-> (device, rank). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPUs, gloo on CPU."""
+    world = int(env.get("WORLD_SIZE", "1"))
+    cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
+    dev = torch.device(device or ("cuda" if cuda else "cpu"))
+    if world > 1:
+        if cuda:
+            dev = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(dev)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+    return dev, (dist.get_rank() if world > 1 else 0)
+
+
+def rank_world() -> tuple[int, int]:
+    """(this process's rank, the number of processes): (0, 1) outside a process group."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+@contextlib.contextmanager
+def process_group(device: str | None = None, env=os.environ):
+    """setup_distributed() for the block inside, which gets (device, rank); the process group it joined is left on
+    exit (one joined already, by an enclosing block, is left to that block)."""
+    joined = dist.is_available() and dist.is_initialized()
+    try:
+        yield setup_distributed(device, env)
+    finally:
+        if not joined and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, precision: str = "fp32") -> nn.Module:
@@ -54,6 +89,8 @@ def shard(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
         MixedPrecisionPolicy()
     for block in model.backbone.h:
         fully_shard(block, mesh=mesh, mp_policy=mp)
+        if hasattr(block, "cls"):       # BERT's last block at [CLS] alone (Bert.pooled): gathered as for forward
+            register_fsdp_forward_method(block, "cls")
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 

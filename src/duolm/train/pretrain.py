@@ -7,12 +7,10 @@ The CLI (`duolm pretrain`) and the demo call this; torchrun runs it as is (DDP o
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from duolm.config import opt
 from duolm.data import (
@@ -31,6 +29,7 @@ from duolm.tokenizers import load_tokenizer
 from duolm.train.logs import plot_run
 from duolm.train.loop import TrainConfig, loss_validator, train
 from duolm.train.memory import layout
+from duolm.train.parallel import process_group, rank_world
 
 FAMILIES = ("gpt2", "bert")
 # loss.png's panels: BERT's two losses apart, so the picture shows when each starts to learn
@@ -57,20 +56,6 @@ class ModelConfig:
     eval_mc: list[str] | None = opt(None, "gpt2: a multiple-choice jsonl (llm-foundry's forms or HellaSwag's) scored "
                                           "at every validation, acc_norm logged as val_mc_<file name>_acc_norm; "
                                           "repeat for more files")
-
-
-def setup_distributed(device: str | None = None, env=os.environ):
-    """-> (device, rank). Under torchrun (WORLD_SIZE > 1) joins the process group: NCCL on GPUs, gloo on CPU."""
-    world = int(env.get("WORLD_SIZE", "1"))
-    cuda = torch.cuda.is_available() if device is None else device.startswith("cuda")
-    dev = torch.device(device or ("cuda" if cuda else "cpu"))
-    if world > 1:
-        if cuda:
-            dev = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
-            torch.cuda.set_device(dev)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-    return dev, (dist.get_rank() if world > 1 else 0)
 
 
 def build(family: str, data_dir, mc: ModelConfig, seed: int = 0):
@@ -132,15 +117,14 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
     are called on rank 0 (the CLI prints and draws its progress bar from them). Returns
     train()'s result; the run folder holds checkpoints, metrics.jsonl, tb/ and loss.png."""
     mc, tc = model_config or ModelConfig(), train_config or TrainConfig()
-    dev, rank = setup_distributed(device)
-    try:
+    with process_group(device) as (dev, rank):
         model, objective, train_data, val_data, tok = build(family, data_dir, mc, tc.seed)
         model.to(dev)
         tc = replace(tc, precision=resolve(tc.precision, dev, training=True))
         if on_start is not None and rank == 0:
             from duolm.runs import read_manifest
             on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision,
-                     layout(model, tc, dist.get_world_size() if dist.is_initialized() else 1))
+                     layout(model, tc, rank_world()[1]))
         validate = loss_validator(objective, val_data, tc)
         if mc.eval_mc:
             if family != "gpt2":
@@ -152,6 +136,3 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
             mc_plot = tuple(f"val_mc_{Path(f).stem}_acc_norm" for f in mc.eval_mc or ())
             result["plot"] = plot_run(run_dir, PLOTS[family] + ((mc_plot,) if mc_plot else ()))
         return result
-    finally:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
