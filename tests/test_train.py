@@ -532,10 +532,10 @@ def fsdp_runs(gpt2_data, tmp_path_factory):
 
 
 def test_fsdp_matches_one_process_and_resumes_at_any_world_size(fsdp_runs, gpt2_data, tmp_path):
-    """FSDP2 (gloo, CPU) on 2 processes gives one process's losses within 1e-5 for 30 steps, weights to 3e-5 (gradients
-    averaged over the processes, not summed), its checkpoints sharded (a file a process, read whole by duolm.load); a run resumes
-    at another process count and kind — ddp 2 -> fsdp 3 -> fsdp 2 -> one process — with the global batch unchanged,
-    and its losses continue as the uninterrupted run's."""
+    """FSDP2 (gloo, CPU) on 2 processes gives one process's losses within 1e-5 for 30 steps, weights to 3e-5
+    (gradients averaged over the processes, not summed), its checkpoints sharded (a file a process, read whole by
+    duolm.load); a run resumes at another process count and kind — ddp 2 -> fsdp 3 -> fsdp 2 -> one process — with
+    the global batch unchanged, and its losses continue as the uninterrupted run's."""
     ckpt = fsdp_runs / "fsdp" / "ckpt-00000030"
     assert sorted(p.name for p in ckpt.iterdir() if "model" in p.name or p.is_dir()) == ["shards"]
     assert sorted(p.name for p in (ckpt / "shards").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
