@@ -16,7 +16,9 @@ dropout 0.1) and the precision "auto" (bf16 autocast where the CPU computes bf16
 After every run, results/<task>.json is rewritten (config, split, per-epoch dev metrics, best epoch, wall time,
 load average at its start, precision, machine): an interrupted call continues with --resume (runs done are
 kept; a run cut short continues from its last checkpoint, which `duolm finetune --resume` writes every epoch).
-Run folders (checkpoints) go to --runs, never into results/.
+Run folders (checkpoints) go to --runs, never into results/; so do the files a task makes from the shared data
+(stsb-embedding: STS-B's train.tsv cut in two, its training scores / 5), and its row shows the model's dev scores
+before fine-tuning beside the tuned ones (an embedding model has no new layer: it is scored as it is).
 
 The speed tables come from files too: results/speed-cpu.json (one row a figure of a benchmarks/*.py run, with its
 machine, date and load average) and results/gpu-h200.json (benchmarks/gpu.py's and benchmarks/serve.py's figures
@@ -83,8 +85,8 @@ def sts_pairs(spec: Spec, folder: Path):
     out = {}
     for name, part, scale in (("train", pairs[:-STS_DEV], 5), ("dev", pairs[-STS_DEV:], 1)):
         out[name] = folder / f"sts-{name}.tsv"
-        out[name].write_text("sentence1\tsentence2\tscore\n" + "".join(f"{a}\t{b}\t{p.score / scale:g}\n"
-                                                                       for p in part for a, b in [p.texts]))
+        rows = ("\t".join((*p.texts, f"{p.score / scale:g}")) + "\n" for p in part)
+        out[name].write_text("sentence1\tsentence2\tscore\n" + "".join(rows))
     return Files(**out)
 
 
