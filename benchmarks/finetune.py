@@ -24,11 +24,19 @@ transformers 4's, from the folder `make install` fills (.venv/qa-reference), run
 up and answers when told, so that the rounds still alternate. Both read the same windows (384 pieces,
 starts 128 apart: the pipeline's doc_stride is their overlap, set per question), with answers of at most
 30 pieces; MiniLM with a seeded span layer (untrained: the work is the same).
+Embeddings (--tasks embedding): `duolm.finetune(..., "embedding")` against sentence-transformers'
+SentenceTransformerTrainer (its own defaults otherwise: random batches, its collator tokenizing each batch), the
+recipe above, on STS-B's training pairs: the first --train with CosineSimilarityLoss (scores / 5), the first
+--train of those scored 4 or more with MultipleNegativesRankingLoss; the --dev pairs after the first --train
+scored (Spearman of the cosines) at the end of the epoch (duolm also before it). sentence-transformers tokenizes
+inside its trainer, so here both sides are timed for the whole call, from the model's folder to the trained
+model: loading, tokenizing, the epoch, the dev set, the checkpoint.
 
     .venv/bin/python benchmarks/finetune.py                      # 1024 SST-2 rows, 2 rounds, fp32
     .venv/bin/python benchmarks/finetune.py --precision bf16     # fine-tuning under bf16 autocast
     .venv/bin/python benchmarks/finetune.py --tasks sst2 ner --train 4096 --rounds 3
     .venv/bin/python benchmarks/finetune.py --tasks squad --questions 200
+    .venv/bin/python benchmarks/finetune.py --tasks embedding --rounds 3
 """
 from __future__ import annotations
 
@@ -72,11 +80,12 @@ def recipe(lr: float, precision: str) -> FinetuneConfig:
                           epochs=RECIPE["epochs"], warmup=RECIPE["warmup"])
 
 
-def trainer_args(run_dir, lr: float, precision: str):
-    """Trainer's arguments for the same recipe; bf16=True autocasts the forward to bf16 on CPU."""
+def trainer_args(run_dir, lr: float, precision: str, cls=None):
+    """Trainer's arguments (cls: a subclass of TrainingArguments) for the same recipe; bf16=True autocasts the
+    forward to bf16 on CPU."""
     import transformers
 
-    return transformers.TrainingArguments(
+    return (cls or transformers.TrainingArguments)(
         output_dir=str(run_dir), per_device_train_batch_size=RECIPE["batch_size"], per_device_eval_batch_size=64,
         learning_rate=lr, num_train_epochs=RECIPE["epochs"], warmup_steps=RECIPE["warmup"],
         weight_decay=RECIPE["weight_decay"], adam_epsilon=1e-6, max_grad_norm=1.0, bf16=precision == "bf16",
@@ -163,14 +172,14 @@ def theirs_ner(model_dir, task_dir, run_dir, precision) -> float:
     return len(train) / (time.perf_counter() - t0)
 
 
-def interleaved(name, ours, theirs, rounds, what):
+def interleaved(name, ours, theirs, rounds, what, them="transformers"):
     a, b = [], []
     for r in range(rounds):
         a.append(ours(r))
         b.append(theirs(r))
-        print(f"  {name} round {r}: duolm {a[-1]:.1f} ex/s, transformers {b[-1]:.1f} ex/s", flush=True)
+        print(f"  {name} round {r}: duolm {a[-1]:.1f} ex/s, {them} {b[-1]:.1f} ex/s", flush=True)
     ma, mb = statistics.median(a), statistics.median(b)
-    print(f"{name:<22} {what}: duolm {ma:8.1f} ex/s   transformers {mb:8.1f} ex/s   ratio {ma / mb:.2f}x", flush=True)
+    print(f"{name:<22} {what}: duolm {ma:8.1f} ex/s   {them} {mb:8.1f} ex/s   ratio {ma / mb:.2f}x", flush=True)
 
 
 def bench_ner(args, mdir, tmp: Path):
@@ -194,6 +203,61 @@ def bench_ner(args, mdir, tmp: Path):
     interleaved("NER prediction", lambda r: timed(lambda: fp32_predict(model, tok, texts)),
                 lambda r: timed(lambda: pipe(texts, batch_size=32)), args.rounds,
                 f"{len(texts)} sentences, fp32, vs pipeline(batch 32)")
+
+
+def write_pairs(path: Path, header: tuple, rows) -> Path:
+    path.write_text("\t".join(header) + "\n" + "".join("\t".join(map(str, r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def ours_embedding(model_dir, train_file, dev_file, run_dir, precision) -> float:
+    """The whole call, from the model's folder: loading, reading and tokenizing the files, the epoch, the dev
+    scored, the checkpoint."""
+    t0, info = time.perf_counter(), {}
+    finetune(model_dir, "embedding", run_dir, recipe(RECIPE["lr"], precision), Files(train=train_file, dev=dev_file),
+             device="cpu", on_start=info.update)
+    return info["train"] / (time.perf_counter() - t0)
+
+
+def theirs_embedding(model_dir, columns: dict, dev, run_dir, precision) -> float:
+    """SentenceTransformerTrainer's whole call on the same pairs (its collator tokenizes each batch): columns
+    {"sentence1", "sentence2", "score"} -> CosineSimilarityLoss, {"anchor", "positive"} -> MNRL; dev: scored pairs
+    for EmbeddingSimilarityEvaluator (Spearman of the cosines), run at the end of the epoch."""
+    import datasets
+    import sentence_transformers as st
+    from sentence_transformers.sentence_transformer import evaluation, losses
+
+    t0 = time.perf_counter()
+    model = st.SentenceTransformer(str(model_dir), device="cpu")
+    model.max_seq_length = RECIPE["max_length"]
+    loss = (losses.CosineSimilarityLoss if "score" in columns else losses.MultipleNegativesRankingLoss)(model)
+    evaluator = evaluation.EmbeddingSimilarityEvaluator(*zip(*((*p.texts, p.score) for p in dev)))
+    trainer = st.SentenceTransformerTrainer(
+        model=model, args=trainer_args(run_dir, RECIPE["lr"], precision, st.SentenceTransformerTrainingArguments),
+        train_dataset=datasets.Dataset.from_dict(columns), loss=loss, evaluator=evaluator)
+    trainer.train()
+    return len(next(iter(columns.values()))) / (time.perf_counter() - t0)
+
+
+def bench_embedding(args, mdir, tmp: Path):
+    """STS-B's training pairs (scores / 5): CosineSimilarityLoss on the first --train, MNRL on the first --train of
+    those scored 4 or more; the --dev pairs after them scored at the end of the epoch (Spearman)."""
+    from duolm.tasks.embedding import read_pairs
+
+    pairs = read_pairs(DATA / "glue" / "STS-B" / "train.tsv", scored=True)
+    scored, dev = [(*p.texts, p.score / 5) for p in pairs[:args.train]], pairs[args.train:args.train + args.dev]
+    similar = [p.texts for p in pairs if p.score >= 4][:args.train]
+    dev_file = write_pairs(tmp / "sts-dev.tsv", ("sentence1", "sentence2", "score"), ((*p.texts, p.score) for p in dev))
+    cases = (("CosineSimilarityLoss", ("sentence1", "sentence2", "score"), scored),
+             ("MNRL", ("anchor", "positive"), similar))
+    for loss, header, rows in cases:
+        train_file = write_pairs(tmp / f"{loss}.tsv", header, rows)
+        columns = dict(zip(header, map(list, zip(*rows))))
+        interleaved("embedding fine-tuning", lambda r: ours_embedding(mdir, train_file, dev_file,
+                                                                     tmp / f"emb-ours-{loss}{r}", args.precision),
+                    lambda r: theirs_embedding(mdir, columns, dev, tmp / f"emb-theirs-{loss}{r}", args.precision),
+                    args.rounds, f"{len(rows)} STS-B pairs, {loss}, {args.precision}, vs SentenceTransformerTrainer"
+                    f"{trainer_flag(args.precision)}", them="sentence-transformers")
 
 
 # transformers 4's question-answering pipeline, up until its stdin closes: each line "BATCH_SIZE" answers all
@@ -252,17 +316,20 @@ def bench_squad(args, mdir, tmp: Path):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--train", type=int, default=1024, help="SST-2 rows to fine-tune on")
-    ap.add_argument("--dev", type=int, default=64, help="SST-2 rows scored at the end of the epoch")
+    ap.add_argument("--train", type=int, default=1024, help="SST-2 rows (STS-B pairs) to fine-tune on")
+    ap.add_argument("--dev", type=int, default=64, help="SST-2 rows (STS-B pairs) scored at the end of the epoch")
     ap.add_argument("--predict", type=int, default=1024, help="sentences to label")
     ap.add_argument("--questions", type=int, default=512, help="SQuAD questions to answer")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner", "squad"])
+    ap.add_argument("--tasks", nargs="+", default=["sst2"], choices=["sst2", "ner", "squad", "embedding"])
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="of fine-tuning, on both sides")
     args = ap.parse_args()
     import transformers
 
     m = machine()
+    if "embedding" in args.tasks:
+        import sentence_transformers
+        print(f"sentence-transformers {sentence_transformers.__version__}")
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
           f"{m['native_bf16']}, {m['threads']} threads; fine-tuning in {args.precision}, prediction in fp32; "
           f"all-MiniLM-L6-v2; load average at start {os.getloadavg()[0]:.2f}", flush=True)
@@ -272,6 +339,8 @@ def main():
             bench_ner(args, mdir, Path(tmp))
         if "squad" in args.tasks:
             bench_squad(args, mdir, Path(tmp))
+        if "embedding" in args.tasks:
+            bench_embedding(args, mdir, Path(tmp))
         if "sst2" in args.tasks:
             bench_sst2(args, mdir, Path(tmp))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")

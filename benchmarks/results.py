@@ -16,7 +16,9 @@ dropout 0.1) and the precision "auto" (bf16 autocast where the CPU computes bf16
 After every run, results/<task>.json is rewritten (config, split, per-epoch dev metrics, best epoch, wall time,
 load average at its start, precision, machine): an interrupted call continues with --resume (runs done are
 kept; a run cut short continues from its last checkpoint, which `duolm finetune --resume` writes every epoch).
-Run folders (checkpoints) go to --runs, never into results/.
+Run folders (checkpoints) go to --runs, never into results/; so do the files a task makes from the shared data
+(stsb-embedding: STS-B's train.tsv cut in two, its training scores / 5), and its row shows the model's dev scores
+before fine-tuning beside the tuned ones (an embedding model has no new layer: it is scored as it is).
 
 The speed tables come from files too: results/speed-cpu.json (one row a figure of a benchmarks/*.py run, with its
 machine, date and load average) and results/gpu-h200.json (benchmarks/gpu.py's and benchmarks/serve.py's figures
@@ -40,6 +42,7 @@ import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Callable
 
 # benchmarks/tokenizers.py would shadow the `tokenizers` package that transformers imports
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
@@ -63,9 +66,30 @@ class Spec:
     epochs: float = 3.0
     grid: tuple = GRID
     reference: str | None = None          # Trainer beside it: "sequence" or "tokens"
+    write: Callable | None = None         # write(spec, folder) -> the task's files, made from spec.files into folder
+    untuned: bool = False                 # the row shows the model's dev scores before fine-tuning too (no new layer)
 
 
 GLUE_SPLIT = {"dev_fraction": 0.1}
+STS_DEV = 1000
+
+
+def sts_pairs(spec: Spec, folder: Path):
+    """STS-B's train.tsv as the embedding task's files: all but its last STS_DEV pairs to train on, scores / 5 (a
+    cosine's range: CosineSimilarityLoss); the last STS_DEV as they are (0-5) the dev set."""
+    from duolm.tasks import Files
+    from duolm.tasks.embedding import read_pairs
+
+    pairs = read_pairs(DATA / spec.files["data"], scored=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for name, part, scale in (("train", pairs[:-STS_DEV], 5), ("dev", pairs[-STS_DEV:], 1)):
+        out[name] = folder / f"sts-{name}.tsv"
+        rows = ("\t".join((*p.texts, f"{p.score / scale:g}")) + "\n" for p in part)
+        out[name].write_text("sentence1\tsentence2\tscore\n" + "".join(rows))
+    return Files(**out)
+
+
 TASKS = {
     "mrpc": Spec("MRPC", "mrpc", {"data": "glue/MRPC"}, GLUE_SPLIT, reference="sequence"),
     "cola": Spec("CoLA", "cola", {"data": "glue/CoLA"}, GLUE_SPLIT),
@@ -81,6 +105,8 @@ TASKS = {
     # sentence recipe's 128 pieces, a sentence with its neighbours around it
     "conll-document": Spec("CoNLL-2003 NER, document context (128-piece window)", "conll2003", {"data": "conll2003"},
                            {"context": "document", "max_length": 128}, grid=(5e-5,)),
+    "stsb-embedding": Spec("STS-B sentence embeddings (CosineSimilarityLoss)",
+                           "embedding", {"data": "glue/STS-B/train.tsv"}, epochs=1.0, write=sts_pairs, untuned=True),
 }
 
 
@@ -101,10 +127,10 @@ def _config(spec: Spec, lr: float, seed: int):
                           inputs=TaskOptions(**spec.options), lr=lr, epochs=spec.epochs)
 
 
-def _files(spec: Spec):
+def _files(spec: Spec, runs: Path):
     from duolm.tasks import Files
 
-    return Files(**{k: DATA / v for k, v in spec.files.items()})
+    return spec.write(spec, runs) if spec.write else Files(**{k: DATA / v for k, v in spec.files.items()})
 
 
 def per_epoch(run_dir: Path, steps_per_epoch: float) -> list[dict]:
@@ -125,16 +151,26 @@ def one_run(key: str, spec: Spec, lr: float, seed: int, runs: Path, log, prefix:
     resumed = (run_dir / "checkpoint.json").exists()
     load, t0, info = os.getloadavg()[0], time.perf_counter(), {}
     log(f"{key}: lr {lr:g} seed {seed} -> {run_dir} (load {load:.2f}{', resumed' if resumed else ''})")
-    out = finetune(minilm_dir(), spec.task, run_dir, _config(spec, lr, seed), _files(spec), device="cpu",
+    out = finetune(minilm_dir(), spec.task, run_dir, _config(spec, lr, seed), _files(spec, runs / key), device="cpu",
                    resume=True, on_start=info.update)
     wall = time.perf_counter() - t0
     (run,) = out["runs"]
     record = {"run": run_dir.name, "lr": lr, "seed": seed, "best_epoch": run["epoch"],
               "metrics": _clean(run["metrics"]), "epochs": per_epoch(run_dir, info["steps"] / spec.epochs),
               "wall_s": round(wall, 1), "load_at_start": round(load, 2), "resumed": resumed}
+    if spec.untuned:
+        record["untuned"] = untuned(run_dir)
     log(f"{key}: lr {lr:g} seed {seed}: " + ", ".join(f"{m} {100 * v:.2f}" for m, v in record["metrics"].items())
         + f" at epoch {record['best_epoch']:g}, {wall:.0f} s")
     return record, info
+
+
+def untuned(run_dir: Path) -> dict:
+    """The dev metrics of the model before its first step (finetune's validation at step 0: init_<metric>)."""
+    from duolm.runs import read_metrics
+
+    first = next(r for r in read_metrics(run_dir) if r["step"] == 0 and any(k.startswith("init_") for k in r))
+    return _clean({k[5:]: v for k, v in first.items() if k.startswith("init_")})
 
 
 def _clean(metrics: dict) -> dict:
@@ -219,7 +255,7 @@ def trainer_run(key: str, spec: Spec, lr: float, seed: int, precision: str, runs
 
     model_dir = minilm_dir()
     options = TaskOptions(**spec.options)
-    data = duolm_task(spec.task).read(spec.task, _files(spec), ("train", "dev"), options)
+    data = duolm_task(spec.task).read(spec.task, _files(spec, runs / key), ("train", "dev"), options)
     data.train = data.train[:options.max_train_examples or None]
     tok = transformers.BertTokenizerFast.from_pretrained(model_dir)
     if spec.reference == "sequence":
@@ -331,6 +367,8 @@ def _row(rec: dict) -> str:
     seeds = sorted(done, key=lambda r: r["seed"])
     if "mean" in rec:
         result = "; ".join(f"{_label(m)} **{_pct(rec['mean'][m])}** ± {_pct(rec['std'][m])}" for m in names)
+        if "untuned" in seeds[0]:
+            result += "; untuned: " + ", ".join(f"{_label(m)} {_pct(seeds[0]['untuned'][m])}" for m in names)
     else:
         result = f"grid: {len(rec['runs'])} of {len(rec['grid'])} runs done"
         seeds = rec["runs"]
@@ -365,7 +403,7 @@ def _reference_row(rec: dict) -> str:
 
 # --- the speed tables -----------------------------------------------------------------------------------------
 
-HEADLINE = ("gpt2-infer", "bert-infer", "gpt2-train", "bert-train", "decode-b1-ctranslate2", "decode-b8-ctranslate2",
+HEADLINE = ("gpt2-infer", "gpt2-train", "bert-train", "decode-b1-ctranslate2", "decode-b8-ctranslate2",
             "finetune-sst2", "gpu-gpt2-train", "gpu-decode-bf16-b1")          # README.md's rows; docs/benchmarks.md has them all
 GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, precision)
     "gpt2-train": ("GPT-2 124M training step, 16x1024, compiled, fused AdamW, clip 1.0 (nanoGPT's settings)",

@@ -129,10 +129,12 @@ class PairFeatures:
         return TextRows(self.columns[c], self.pad_id)
 
     def collate(self, rows) -> dict[str, torch.Tensor]:
-        """idx<c>, mask<c> (B, T_c) for each text column c, each padded to its longest; labels (B,) when scored."""
+        """idx<c>, mask<c> (B, T) for each text column c, every text padded to the batch's longest (so that one
+        forward embeds them all: objective); labels (B,) when scored."""
+        idx, mask = pad([column[i] for column in self.columns for i in rows], self.pad_id)
         batch = {}
-        for c in range(len(self.columns)):
-            batch[f"idx{c}"], batch[f"mask{c}"] = pad([self.columns[c][i] for i in rows], self.pad_id)
+        for c, (x, m) in enumerate(zip(idx.chunk(len(self.columns)), mask.chunk(len(self.columns)))):
+            batch[f"idx{c}"], batch[f"mask{c}"] = x, m
         if self.scores is not None:
             batch["labels"] = torch.tensor([self.scores[i] for i in rows], dtype=torch.float32)
         return batch
@@ -184,7 +186,11 @@ def embed_loss(embeddings: list, batch: dict, norm: dict | None = None):
 
 def objective(family: str, head: HeadConfig, lm_coef: float = 0.0) -> Objective:
     def forward(m, b):
-        return [m(b[f"idx{c}"], None, b[f"mask{c}"]) for c in range(sum(k.startswith("idx") for k in b))]
+        """One forward over the texts of every column (one embedding gradient, matrices twice as tall), split back
+        into the columns' embeddings."""
+        n = sum(k.startswith("idx") for k in b)
+        idx, mask = (torch.cat([b[f"{k}{c}"] for c in range(n)]) for k in ("idx", "mask"))
+        return list(m(idx, None, mask).chunk(n))
     return Objective(forward=forward, loss=embed_loss, counts=lambda b: {"n": int(b["idx0"].shape[0])},
                      tokens=lambda b: sum(v.numel() for k, v in b.items() if k.startswith("idx")))
 
