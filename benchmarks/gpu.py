@@ -176,7 +176,7 @@ def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
     return 2 * n_bytes * reps / sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / 1e9
 
 
-def case_decode(args, peak):
+def case_decode(args):
     """Greedy decoding of GPT-2 124M at batch 1 and 64, fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
     duolm compiled (generate(compile=True): the static step, a CUDA graph) and transformers.generate, interleaved.
     The bound printed beside batch 1: every weight read once a token, at the copy bandwidth measured here."""
@@ -258,7 +258,7 @@ def main():
         elif case == "bert-train":
             results["cases"] += [case_bert_train(args, peak, T) for T in (128, 512)]
         elif case == "decode":
-            results["cases"] += case_decode(args, peak)
+            results["cases"] += case_decode(args)
         else:
             raise SystemExit(f"unknown case {case!r}")
         torch.cuda.empty_cache()
