@@ -21,8 +21,8 @@ from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, BertForPreTraining, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm import precision as precision_module
-from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_matmul, int8_rows, native_bf16,
-                             quantize, resolve)
+from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_matmul, int8_rows, intel_rows,
+                             native_bf16, onednn_rows, quantize, resolve)
 from test_generation import _collect
 
 
@@ -42,8 +42,10 @@ def _bert():
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """fp32_engine() answering "onednn" on any x86 CPU: the exact packed path is tested on Intel's too."""
+    """fp32_engine() answering "onednn" for every product on any x86 CPU: the exact packed path is tested on Intel's
+    too, on every row count."""
     monkeypatch.setattr(precision_module, "fp32_engine", lambda: "onednn")
+    monkeypatch.setattr(precision_module, "fp32_rows", lambda: onednn_rows)
 
 
 def _swapped(model, precision):
@@ -357,11 +359,30 @@ def test_run_records_its_precision_and_resumes_only_under_it(tmp_path):
 
 
 def test_fp32_engine_is_a_rule_by_vendor(monkeypatch):
-    """oneDNN on x86 CPUs not made by Intel (MKL's slower paths there), MKL on Intel's: the same answer in every
-    process, so a resumed run and its evaluations compute the same numbers."""
+    """oneDNN on x86 CPUs, for 4 to 32 rows on Intel's (F.linear, MKL, for up to 3 and for longer inputs) and for
+    every product on other vendors' (MKL's slower paths there): the same answer in every process, so a resumed run
+    and its evaluations compute the same numbers; F.linear elsewhere."""
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
-    for vendor, engine in (("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("HygonGenuine", "onednn")):
+    for vendor, rows in (("GenuineIntel", intel_rows), ("AuthenticAMD", onednn_rows), ("HygonGenuine", onednn_rows)):
         monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
-        assert precision_module.fp32_engine() == engine
+        assert (precision_module.fp32_engine(), precision_module.fp32_rows()) == ("onednn", rows)
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "aarch64")
     assert precision_module.fp32_engine() == "mkl"
+
+
+def test_packed_linear_under_intels_rule_runs_onednn_on_4_to_32_rows_and_f_linear_outside():
+    """PackedLinear(rows=intel_rows): up to 3 rows, and more than 32, are F.linear's bits; 4 to 32 rows run oneDNN
+    padded to a power of two (within 1e-5 of F.linear, and the bits of PackedLinear on every row count: padding
+    changes no row)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(2304, 768) * 0.02, torch.randn(2304)
+    intel, everywhere = PackedLinear(w, b, rows=intel_rows), PackedLinear(w, b)
+    with torch.no_grad():
+        for shape in ((1, 768), (3, 768), (1, 2, 768), (33, 768), (5, 13, 768)):
+            x = torch.randn(shape)
+            assert torch.equal(intel(x), F.linear(x, w, b))
+        for shape in ((4, 768), (5, 768), (2, 4, 768), (17, 768), (32, 768)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(intel(x), F.linear(x, w, b), atol=1e-5, rtol=0)
+            assert torch.equal(intel(x), everywhere(x))
+    assert "rows=intel_rows" in repr(intel) and "rows=onednn_rows" in repr(everywhere)

@@ -107,12 +107,13 @@ def test_a_decoder_does_not_keep_its_model_alive():
 
 
 def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
-    """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear, what x86 CPUs other than
-    Intel's get): the compiled step traces F.linear (inductor cannot lower a weight packed outside it) and gives the
+    """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear: every product on x86 CPUs other
+    than Intel's): the compiled step traces F.linear (inductor cannot lower a weight packed outside it) and gives the
     eager ids."""
     from duolm import precision
 
     monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
+    monkeypatch.setattr(precision, "fp32_rows", lambda: precision.onednn_rows)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
     assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
     prompts = prompts_of(2, seed=3, vocab=512)

@@ -229,7 +229,7 @@ def test_span_features_find_the_answers(minilm, squad):
 
 import json  # noqa: E402
 
-from duolm.tasks import Files, evaluate, load_finetuned, predict  # noqa: E402
+from duolm.tasks import Files, TaskOptions, evaluate, load_finetuned, predict  # noqa: E402
 from duolm.train.finetune import finetune  # noqa: E402
 from test_finetune import ft_config, tiny_bert_dir  # noqa: E402,F401
 
@@ -282,6 +282,9 @@ def test_ner_run_with_document_context(tiny_bert_dir, conll_dir, data_dir, tmp_p
     assert sum(x["support"] for x in got["per_type"].values()) == want["micro avg"]["support"] > 50
     main(["evaluate", str(tmp_path / "ner"), "--dev", str(conll_dir / "eng.testa"), "--json"])
     assert json.loads(capsys.readouterr().out)["f1"] == evaluate(model, tok, Files(data=conll_dir))[0]["f1"]
+    # --context document scores as validation did during the run (the same windows of each document)
+    main(["evaluate", str(tmp_path / "ner"), "--data", str(conll_dir), "--context", "document", "--json"])
+    assert json.loads(capsys.readouterr().out)["f1"] == pytest.approx(res["best"]["metrics"]["f1"])
     other.write_text("Bob B-FOO\nruns O\n", encoding="utf-8")
     with pytest.raises(SystemExit):
         main(["evaluate", str(tmp_path / "ner"), "--dev", str(other)])
@@ -344,7 +347,7 @@ def test_squad_v2_no_answer_threshold_chosen_on_dev(tiny_bert_dir, tmp_path, cap
     threshold = model.head.null_threshold
     assert isinstance(threshold, float)
     dev = [q for q in questions if q.title == data[4]["title"]]
-    scores, _ = evaluate(model, tok, Files(data=v2), dev_fraction=0.2)      # x 100, at the same threshold, fp32
+    scores, _ = evaluate(model, tok, Files(data=v2), options=TaskOptions(dev_fraction=0.2))  # x 100, same threshold, fp32
     assert scores == pytest.approx({k: 100 * v for k, v in res["best"]["metrics"].items()} | {"null_threshold": threshold})
     raw = span.answer_questions(model, tok, dev)
     got = predict(model, tok, [(q.question, q.context) for q in dev])

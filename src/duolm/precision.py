@@ -9,9 +9,11 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact. F.linear as it is, except on x86 CPUs not made by Intel (fp32_engine()), where PyTorch's fp32
-    F.linear calls MKL's slower paths: there PackedLinear runs oneDNN on the weight packed once into its blocked
-    layout (the same dot products in another order, within ~1e-6). benchmarks/cpu_engines.py times both.
+  * "fp32": exact. On x86 CPUs (fp32_engine()) PackedLinear runs oneDNN on the weight packed once into its blocked
+    layout (the same dot products in another order, within ~1e-6): faster than PyTorch's fp32 F.linear, which calls
+    MKL, at every size on other vendors' CPUs (MKL's slower paths there) and from 4 to 32 rows on Intel's (decoding
+    several sequences), where F.linear keeps up to 3 rows and longer inputs (fp32_rows()). Elsewhere F.linear as it
+    is. benchmarks/cpu_engines.py times both.
   * "bf16": BF16Linear, a bf16 copy of the weight; the input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
     each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
@@ -115,14 +117,33 @@ def _works(kernel: str) -> bool:
 
 
 def fp32_engine() -> str:
-    """"onednn" on x86 CPUs not made by Intel where torch's oneDNN linear runs, else "mkl" (plain F.linear).
-    PyTorch's fp32 F.linear calls MKL, which on other vendors' CPUs takes slower code paths
-    (benchmarks/cpu_engines.py and benchmarks/models.py time both). A rule rather than a timing, so that every
-    process on a machine makes the same choice and a resumed run, an evaluation and a server compute the same
-    numbers bit for bit."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or _cpuinfo("vendor_id") == "GenuineIntel":
+    """"onednn" on x86 CPUs where torch's oneDNN linear runs (PackedLinear), else "mkl" (plain F.linear). A rule
+    rather than a timing, so that every process on a machine makes the same choice and a resumed run, an evaluation
+    and a server compute the same numbers bit for bit."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
         return "mkl"
     return "onednn" if torch.backends.mkldnn.is_available() and _works("onednn") else "mkl"
+
+
+def fp32_rows():
+    """The rule PackedLinear runs its products by (a vendor rule, as fp32_engine()): rows(m) -> the row count oneDNN
+    runs a product of m rows at, None for F.linear (MKL) on the plain weight. Other vendors' CPUs: onednn_rows,
+    every product (MKL's slower paths there at every size). Intel's: intel_rows."""
+    return intel_rows if _cpuinfo("vendor_id") == "GenuineIntel" else onednn_rows
+
+
+def intel_rows(m: int) -> int | None:
+    """Intel's CPUs: 4 to 32 rows run in oneDNN on m rounded up to a power of two, the others through F.linear. MKL's
+    matrix-vector kernel reads a weight for up to 3 rows (decoding one sequence) at the memory's speed, faster than
+    oneDNN's blocked layout, which is the faster from 4 rows, padded or not, to 32; above that MKL is within a
+    third of oneDNN, and oneDNN keeps memory for every distinct product shape it runs (a server's or an
+    evaluation's inputs of many lengths would keep adding to it: tests/test_serve_soak.py). Four row counts a
+    weight (4, 8, 16, 32) bound that memory. benchmarks/cpu_engines.py times decoding both ways.
+
+    >>> [intel_rows(m) for m in (1, 3, 4, 5, 8, 9, 32, 33)]
+    [None, None, 4, 8, 8, 16, 32, None]
+    """
+    return 1 << (m - 1).bit_length() if 4 <= m <= 32 else None
 
 
 def onednn_rows(m: int) -> int:
@@ -148,11 +169,11 @@ def _pack(w: torch.Tensor, rows: int = 64) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w, rows)
 
 
-def _on_rows(f, x: torch.Tensor) -> torch.Tensor:
-    """f(x) for a product f of each row of x, run on onednn_rows() rows: x padded with zero rows, which the result
-    leaves out."""
+def _on_rows(f, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """f(x) for a product f of each row of x, run on `rows` rows (None: onednn_rows()): x padded with zero rows, which
+    the result leaves out."""
     m = x.numel() // x.shape[-1]
-    rows = onednn_rows(m)
+    rows = rows or onednn_rows(m)
     if rows == m:
         return f(x)
     padded = x.new_zeros(rows, x.shape[-1])
@@ -161,9 +182,9 @@ def _on_rows(f, x: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
-def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + bias through oneDNN on a packed W, on onednn_rows() rows."""
-    return _on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x)
+def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+    """x @ W.T + bias through oneDNN on a packed W, on `rows` rows (None: onednn_rows())."""
+    return _on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x, rows)
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -231,23 +252,26 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_ra
 # the inference linears
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn").
-    With autograd on (a training forward) and under torch.compile, F.linear on W as it is."""
+    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn"),
+    a product of m rows run at rows(m) rows (fp32_rows()); where rows(m) is None through F.linear on W, as are
+    training forwards (autograd on) and forwards under torch.compile (inductor lowers only weights it packed)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows=onednn_rows):
         super().__init__()
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.register_buffer("packed", _pack(weight.detach()))
+        self.rows = rows
 
     def forward(self, x):
-        if (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
-            return F.linear(x, self.weight, self.bias)       # (inductor lowers only weights it packed itself)
-        return _onednn(x, self.packed, self.bias)
+        rows = self.rows(x.numel() // x.shape[-1])
+        if rows is None or (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
+        return _onednn(x, self.packed, self.bias, rows)
 
     def extra_repr(self):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
-               f"bias={self.bias is not None}, kernel=onednn fp32"
+               f"bias={self.bias is not None}, kernel=onednn fp32, rows={self.rows.__name__}"
 
 
 class BF16Linear(nn.Module):
@@ -306,7 +330,9 @@ def _swap(precision: str, device: torch.device):
     if precision == "bf16":
         return BF16Linear
     if precision == "fp32":
-        return PackedLinear if device.type == "cpu" and fp32_engine() == "onednn" else None
+        if device.type == "cpu" and fp32_engine() == "onednn":
+            return functools.partial(PackedLinear, rows=fp32_rows())
+        return None
     raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
 
 

@@ -26,9 +26,10 @@ def _flagged(cls, default=None, pick=None):
         yield f.name, kind, value, meta
 
 
-def add_options(parser, cls) -> None:
-    """One --flag per field of dataclass `cls` (see _flagged), defaults and help from the fields."""
-    for name, kind, default, meta in _flagged(cls):
+def add_options(parser, cls, pick: dict | None = None) -> None:
+    """One --flag per field of dataclass `cls` (see _flagged), defaults and help from the fields; `pick`: only the
+    fields it names, each with its own help where the value is not None."""
+    for name, kind, default, meta in _flagged(cls, pick=pick):
         flag = "--" + name.replace("_", "-")
         if kind is bool and default is None:                   # unset = decided later: --flag / --no-flag
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None,

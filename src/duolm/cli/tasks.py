@@ -129,11 +129,11 @@ def add_predict(sub):
 
 
 def cmd_evaluate(args):
-    from duolm.tasks import evaluate, load_finetuned
+    from duolm.tasks import TaskOptions, evaluate, load_finetuned
 
     model, tok = load_finetuned(args.model, args.device or "cpu")
     for_inference(model, args, args.device or "cpu")
-    metrics, notes = evaluate(model, tok, _files(args), args.split, args.dev_fraction)
+    metrics, notes = evaluate(model, tok, _files(args), args.split, options(TaskOptions, args))
     if args.json:
         return print(json.dumps({"task": model.head.task, "split": args.split, **metrics}))
     print("\n".join([f"note: {n}" for n in notes] + [f"{k:<16} {v:.4f}" for k, v in metrics.items() if k != "per_type"]
@@ -141,10 +141,13 @@ def cmd_evaluate(args):
 
 
 def add_evaluate(sub):
+    from duolm.tasks import TaskOptions
+
     p = sub.add_parser("evaluate", help="the task's official metrics of a fine-tuned model")
     p.add_argument("model", help="fine-tuned run folder or model directory")
     p.add_argument("--split", choices=["dev", "train"], default="dev")
-    p.add_argument("--dev-fraction", type=float, default=0.0, help="as given to finetune: the held-out end of train")
+    add_options(p, TaskOptions, {"context": None, "stride": None,
+                                 "dev_fraction": "as given to finetune: the held-out end of train"})
     add_task_data(p)
     add_precision(p)
     p.set_defaults(func=cmd_evaluate)

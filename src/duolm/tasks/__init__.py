@@ -92,17 +92,19 @@ def predict(model, tokenizer, inputs, batch_size: int = 64) -> list[dict]:
     return head_task(model.head).predict(model, tokenizer, inputs, batch_size)
 
 
-def evaluate(model, tokenizer, files: Files, split: str = "dev", dev_fraction: float = 0.0,
+def evaluate(model, tokenizer, files: Files, split: str = "dev", options: TaskOptions = TaskOptions(),
              batch_size: int = 64) -> tuple[dict, list]:
-    """The official metrics of a fine-tuned model on the dev (or train) data of the task it was trained on ->
-    ({prefix + metric: value}, notes about the data)."""
+    """The official metrics of a fine-tuned model on the dev (or train) data of the task it was trained on, its
+    inputs made as `options` say (NER's context and stride, the held-out dev_fraction), as validation during
+    fine-tuning makes them -> ({prefix + metric: value}, notes about the data)."""
     t, head = head_task(model.head), model.head
-    splits = ("train", "dev") if split == "train" or dev_fraction else ("dev",)
-    data = t.read(head.task or head.kind, files, splits, TaskOptions(dev_fraction=dev_fraction), head)
+    splits = ("train", "dev") if split == "train" or options.dev_fraction else ("dev",)
+    data = t.read(head.task or head.kind, files, splits, options, head)
     items = {"": data.train} if split == "train" else data.dev
     out = {}
     for prefix, examples in items.items():
-        out.update({prefix + k: v for k, v in t.score(model, tokenizer, examples, None, batch_size).items()})
+        features = t.encode(examples, tokenizer, head, options)
+        out.update({prefix + k: v for k, v in t.score(model, tokenizer, examples, features, batch_size).items()})
     return out, data.notes
 
 
