@@ -90,6 +90,16 @@ def library_tokens(model, tok, ids, max_tokens, seed, **kw):
     return gen.tokens[0]
 
 
+def plain(model, cls=None):
+    """A model of `cls` (default: the model's class) with `model`'s weights as they were before a server swapped its
+    linears (create_app quantizes the fixtures' models in place: on x86, PackedLinear, which keeps weight and bias
+    beside the packed form)."""
+    out = (cls or type(model))(model.config).eval()
+    want = out.state_dict()                         # (not the packed forms, nor a tied output layer's own copy)
+    out.load_state_dict({k: v for k, v in model.state_dict().items() if k in want})
+    return out
+
+
 @pytest.fixture(scope="module")
 def client(gpt2):
     model, tok = gpt2
@@ -393,8 +403,7 @@ def test_16_concurrent_requests_against_each_alone(gpt2, invariant):
     it a batched decoding step rounds differently from a 1-row one: the difference measured on this model is
     4.3e-6 at most (docs/serving.md), bounded here by 1e-5; the tokens are the same."""
     model, tok = gpt2
-    held = HeldGPT2(model.config).eval()
-    held.load_state_dict(model.state_dict())
+    held = plain(model, HeldGPT2)
     bodies = _invariance_bodies(tok)
     with TestClient(create_app(held, tok, ServeConfig(max_concurrency=16, batch_invariant=invariant))) as c:
         held.go.set()
@@ -552,8 +561,7 @@ def test_scoring_is_one_forward_per_prompt_as_lm_eval_reads_it(gpt2):
     prompt's numbers within rounding; token_logprobs[i] equals max(top_logprobs[i]) exactly where the token is
     the model's most likely (its greedy test)."""
     model, tok = gpt2
-    counting = CountingGPT2(model.config).eval()
-    counting.load_state_dict(model.state_dict())
+    counting = plain(model, CountingGPT2)
     counting.calls = []
     prompts = [tok.encode(t) for t in ("One two three four", "The end of the passage is near", "x")]
     with TestClient(create_app(counting, tok)) as c:
@@ -685,7 +693,7 @@ def test_penalties_and_logit_bias_equal_openai_formula(client, gpt2):
 
 def _hf_tokenizer(model, tok, folder):
     transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(duolm.save(model, folder, tok, format="hf"))
+    return transformers.AutoTokenizer.from_pretrained(duolm.save(plain(model), folder, tok, format="hf"))
 
 
 TEXTS = ["Hello, world!", " Ünïcödé ☃ and\n\nnewlines  ", "a<|endoftext|>b [MASK] [SEP]", ""]
@@ -965,8 +973,7 @@ def serving(app):
 @pytest.fixture
 def slow_server(gpt2):
     model, tok = gpt2
-    slow = SlowGPT2(model.config).eval()
-    slow.load_state_dict(model.state_dict())
+    slow = plain(model, SlowGPT2)
     with serving(create_app(slow, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url:
         yield url
 
@@ -999,8 +1006,7 @@ def test_over_capacity_is_fast_429_and_a_disconnect_frees_the_slot(gpt2):
     long = dict(prompt="a", max_tokens=200, seed=0, stream=True)
     first = library_tokens(model, tok, tok.encode("a"), 5, seed=0)
     assert len(first) == 5 and tok.eot_id not in first and tok.decode(first).strip()   # A's 5 tokens show text
-    gated = GatedGPT2(model.config).eval()
-    gated.load_state_dict(model.state_dict())
+    gated = plain(model, GatedGPT2)
     gated.permits.release(5)
     try:
         with serving(create_app(gated, tok, ServeConfig(max_concurrency=1, max_queue=1))) as url, \

@@ -134,18 +134,21 @@ def _load_native(path: Path, cfg: dict):
     if "head" in cfg and family in ("gpt2", "bert"):
         head = _make_config(HeadConfig, cfg["head"] if isinstance(cfg["head"], dict) else {}, path / CONFIG)
         config = _make_config(GPT2Config if family == "gpt2" else BertConfig, params, path / CONFIG)
-        model = _build(lambda c: head_model(family, c, head), config)
+        make = lambda c: head_model(family, c, head)                                  # noqa: E731
     elif family == "gpt2":
-        model = _build(GPT2, _make_config(GPT2Config, params, path / CONFIG))
+        make, config = GPT2, _make_config(GPT2Config, params, path / CONFIG)
     elif family == "bert":
         config = _make_config(BertConfig, params, path / CONFIG)
-        model = _build(BertForPreTraining if cfg.get("heads", False) else Bert, config)
+        make = BertForPreTraining if cfg.get("heads", False) else Bert
     else:
         raise ValueError(f"{path / CONFIG}: family {family!r} is not supported; supported: 'gpt2', 'bert'")
     weights = path / WEIGHTS
     if weights.is_file():
-        _load_state(model, _read_safetensors(weights), str(weights))
+        sd = _read_safetensors(weights)
+        model = _build(make, config, sd)
+        _load_state(model, sd, str(weights))
     elif (path / SHARDS).is_dir():
+        model = _build(make, config)
         state = {"model": model.state_dict()}          # the model's own tensors, filled in place
         dcp.read(state, path / SHARDS)
     else:
@@ -162,15 +165,17 @@ def _load_hf(path: Path, cfg: dict):
     if arch in _hf.HEAD_LAYERS:
         return _load_hf_head(path, cfg, arch)
     if cfg.get("model_type") == "gpt2":
-        model = _build(GPT2, _config_from_hf(_hf.gpt2_config_from_hf, cfg, path))
+        config = _config_from_hf(_hf.gpt2_config_from_hf, cfg, path)
         sd, source = _read_hf_weights(path)
-        _load_state(model, _from_hf(_hf.gpt2_from_hf, sd, source), source)
+        ours = _from_hf(_hf.gpt2_from_hf, sd, source)
+        model = _build(GPT2, config, ours)
+        _load_state(model, ours, source)
         return model
     config = _config_from_hf(_hf.bert_config_from_hf, cfg, path)
     sd, source = _read_hf_weights(path)
     ours, heads = _from_hf(_hf.bert_from_hf, sd, source)
     heads = heads or any(a in ("BertForPreTraining", "BertForMaskedLM") for a in cfg.get("architectures") or [])
-    model = _build(BertForPreTraining if heads else Bert, config)
+    model = _build(BertForPreTraining if heads else Bert, config, ours)
     _load_state(model, ours, source, optional=_BERT_OPTIONAL)
     return model
 
@@ -182,9 +187,10 @@ def _load_hf_head(path: Path, cfg: dict, arch: str):
     kind, labels = _hf.head_kind_from_hf(cfg)
     length = SPAN_MAX_LENGTH if kind == "span" else MAX_LENGTH
     head = HeadConfig(kind, labels, max_length=min(config.block_size, length))
-    model = _build(lambda c: head_model(family, c, head), config)
     sd, source = _read_hf_weights(path)
-    _load_state(model, _from_hf(lambda d: _hf.head_from_hf(arch, d), sd, source), source, optional=("bert.pool.",))
+    ours = _from_hf(lambda d: _hf.head_from_hf(arch, d), sd, source)
+    model = _build(lambda c: head_model(family, c, head), config, ours)
+    _load_state(model, ours, source, optional=("bert.pool.",))
     return model
 
 
@@ -192,10 +198,10 @@ def _load_tf(path: Path):
     """OpenAI's GPT-2 or Google's BERT release folder (see duolm.convert.tf)."""
     if (path / "hparams.json").is_file():
         config, sd = _tf.gpt2_from_tf(path)
-        model = _build(GPT2, config)
+        model = _build(GPT2, config, sd)
     else:
         config, sd, heads = _tf.bert_from_tf(path)
-        model = _build(BertForPreTraining if heads else Bert, config)
+        model = _build(BertForPreTraining if heads else Bert, config, sd)
     _load_state(model, sd, f"{_tf.find_prefix(path)}.index")
     return model
 
@@ -316,9 +322,16 @@ def _make_config(cls, params: dict, where: Path):
         raise ValueError(f"{where}: invalid {cls.__name__}: {e}") from None
 
 
-def _build(cls, config):
-    # Parameters get overwritten by the checkpoint; a fixed seed makes the few that may be
-    # initialised (BERT pooler / NSP) reproducible, and fork_rng leaves the caller's RNG untouched.
+def _build(cls, config, keys=()):
+    """cls(config), to be filled from a checkpoint holding the tensors named `keys`. When those are all of the
+    model's, it is built without initialising anything (on the meta device, then allocated: random init of
+    weights that are overwritten costs a noticeable share of loading a model); otherwise initialised from a fixed
+    seed, so that the few tensors a checkpoint may lack (BERT's pooler / NSP) are reproducible, fork_rng leaving
+    the caller's RNG untouched."""
+    with torch.device("meta"):
+        model = cls(config)
+    if set(model.state_dict()) <= set(keys):
+        return model.to_empty(device="cpu")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         return cls(config)
