@@ -1,5 +1,5 @@
 """A bounded soak of `duolm serve` on 127.0.0.1 (tests/soak.py sends it; `benchmarks/serve.py --soak N` is the
-longer version): 1,000 requests from 32 clients to a server with --max-concurrency 8, mixed plain and streamed,
+longer version): 600 requests from 32 clients to a server with --max-concurrency 8, mixed plain and streamed,
 ~20% left by their client at a random point, ~10% malformed, ~5% slow clients that send part of a request and
 then nothing (408 after the 2 s --header-timeout / --body-timeout); capacity 8 + 24 waiting, so a 429 comes only
 while a left request still holds its place. Only 200 / 400 / 408 / 413 / 429 come back; afterwards
@@ -15,7 +15,7 @@ httpx = pytest.importorskip("httpx2")
 import soak  # noqa: E402
 from test_serve_e2e import server  # noqa: E402
 
-N, WARMUP, CLIENTS = 1000, 200, 32
+N, WARMUP, CLIENTS = 600, 150, 32
 ARGS = ["--max-concurrency", "8", "--max-queue", "24", "--max-body-bytes", str(soak.MAX_BODY),
         "--header-timeout", "2", "--body-timeout", "2"]
 SLOW = 0.05
@@ -48,21 +48,21 @@ def _soak(model_dir, goods, log):
     assert fds_after <= fds_before, (fds_before, fds_after)
     slow = sum(o.job.slow for o in outcomes)
     timeouts = sum(metrics[k] - before[k] for k in ("header_timeouts", "body_timeouts"))
-    assert slow > 20 and timeouts == fig.statuses[408] == slow                  # every slow client, and only they
+    assert slow > 12 and timeouts == fig.statuses[408] == slow                  # every slow client, and only they
     for o in outcomes:
         if o.job.key is None:                       # malformed or slow: its own error (408), or over capacity
             assert o.status in (o.job.expect, 429), (o.status, o.job)
         elif o.answer is not None:
             assert soak.same(o.answer, reference[o.job.key]), (o.job, o.answer, reference[o.job.key])
     complete = [o for o in outcomes if o.answer is not None]
-    assert fig.left > 100 and len(complete) > 300 and fig.statuses.get(400) and fig.statuses.get(413)
+    assert fig.left > 60 and len(complete) > 180 and fig.statuses.get(400) and fig.statuses.get(413)
     return outcomes, before, metrics
 
 
 def test_gpt2_soak(models, tmp_path):
     outcomes, before, after = _soak(models[0], soak.gpt2_goods(), tmp_path / "gpt2.log")
     streams = [o for o in outcomes if o.job.stream and o.answer is not None]
-    assert len(streams) > 200                                    # complete streams were compared, not plain only
+    assert len(streams) > 120                                    # complete streams were compared, not plain only
     left_streams = sum(o.left and o.job.stream for o in outcomes)
     # a stream left before its last token ends its row "cancelled" (one left after the last token has none)
     cancelled = after["finish_reasons"].get("cancelled", 0) - before["finish_reasons"].get("cancelled", 0)

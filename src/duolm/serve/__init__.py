@@ -56,7 +56,7 @@ class ServeConfig:
                 "compile_s). Default: on with --device cuda (several times faster there), off on the CPU (no faster)"})
     precision: str = field(default="auto", metadata={
         "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the CPU's fastest kernels (oneDNN on "
-                "non-Intel x86); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
+                "x86; on Intel's for 4-32 rows); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
                 "choices": ("auto", "fp32", "bf16", "int8")})
     batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
 
