@@ -21,7 +21,8 @@ result sent back): in the benchmark's own process, once it has run, PyTorch's ke
 speed for the rest of the process (measured: duolm int8 batch-1 decoding ~100 -> ~57 tokens/s), which made
 earlier runs of this script compare a slowed duolm and transformers with CTranslate2. Batch-1 decoding is memory-bound: the bound printed beside it is the
 read bandwidth measured here (a streaming sum over 1 GiB) over the bytes of weights one token reads (every
-matrix once, the tied output layer included). Prints the CPU, its bf16 support and the load average.
+matrix once, the tied output layer included; int8 rows: a byte a weight, a quarter of that). Prints the CPU, its
+bf16 support and the load average.
 
     python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--default-malloc] [--json out.json]
 """
@@ -288,16 +289,18 @@ def main():
         gpt_hf, bert_hf = save_models(folder)
         gbs = bandwidth_gbs()
         weight_bytes = 4 * (sum(p.numel() for n, p in gpt_hf.named_parameters() if p.dim() == 2 and "wpe" not in n))
-        bound = gbs * 1e9 / weight_bytes
+        bounds = {"fp32": gbs * 1e9 / weight_bytes, "int8": gbs * 1e9 / (weight_bytes / 4)}   # a byte a weight
+        out["bandwidth_gbs"], out["bounds"] = gbs, bounds
         print(f"\nread bandwidth {gbs:.1f} GB/s; fp32 weights read per token {weight_bytes / 1e6:.0f} MB -> "
-              f"batch-1 bound {bound:.1f} tokens/s")
+              f"batch-1 bound {bounds['fp32']:.1f} tokens/s; int8 weights (a quarter) -> {bounds['int8']:.1f}")
         print(f"\nGPT-2 124M greedy, {PROMPT}-token prompt, {args.new_tokens} new tokens, median of {args.rounds} rounds")
         for batch in (1, 8):
             times, same = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
             tps = {k: batch * args.new_tokens / t for k, t in times.items()}
             out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
             for k, v in tps.items():
-                extra = f"  ({100 * v / bound:.0f}% of the bound)" if batch == 1 and "fp32" in k else ""
+                kind = "int8" if "int8" in k else "fp32"
+                extra = f"  ({100 * v / bounds[kind]:.0f}% of the {kind} bound)" if batch == 1 else ""
                 ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else "every weight once a token"
                 print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; {ids}{extra}")
             print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
