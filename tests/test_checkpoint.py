@@ -184,6 +184,23 @@ def test_bert_model_loads_as_bert(tiny, variant):
     _close(pooled, ref.pooler_output)
 
 
+def test_a_checkpoint_holding_every_tensor_loads_without_random_init(tiny, tmp_path, monkeypatch):
+    """duolm.load builds such a model on the meta device, then allocates it: no random numbers are drawn for
+    weights the checkpoint overwrites (HF and duolm directories); the model is the checkpoint's."""
+    drawn = []
+    for name in ("normal_", "uniform_"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, **k: (drawn.append(self.device.type),
+                                                                                 _real(self, *a, **k))[1])
+    for d in (tiny["dirs"]["gpt2"], tiny["dirs"]["bert"]):
+        model, _ = duolm.load(d)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        model, _ = duolm.load(duolm.save(model, tmp_path / d.name))
+    assert "cpu" not in drawn
+    duolm.load(tiny["dirs"]["bert-mlm"])                 # no pooler / NSP in the file: those are initialised
+    assert "cpu" in drawn
+
+
 def test_bert_masked_lm_loads_with_mlm_head_and_fresh_nsp(tiny):
     # BertForMaskedLM has no pooler and no NSP head: they are initialised (reproducibly) and the
     # MLM logits match; loading must not disturb the caller's random stream.
