@@ -27,7 +27,9 @@ from duolm.textgen import TextStream, fill_mask_text, generate_text  # noqa: E40
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config  # noqa: E402
 from duolm.serve import ServeConfig, bind_warning, read_api_key  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402
-from duolm.serve.encoders import EncoderWorker, Pooling, pool, read_pooling  # noqa: E402
+from duolm.convert.st import Pooling, read_pooling  # noqa: E402
+from duolm.models.heads import pool_states  # noqa: E402
+from duolm.serve.encoders import EncoderWorker  # noqa: E402
 from duolm.serve.metrics import Metrics  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
 
@@ -136,9 +138,9 @@ def test_logprob_info_worked_example():
 def test_pool_worked_example():
     h = torch.tensor([[[3., 0.], [1., 2.], [9., 9.]]])
     m = torch.tensor([[1, 1, 0]])
-    assert pool(h, m, Pooling("mean", False)).tolist() == [[2.0, 1.0]]      # padding left out
-    assert pool(h, m, Pooling("cls", False)).tolist() == [[3.0, 0.0]]
-    assert pool(h, m, Pooling("cls", True)).tolist() == [[1.0, 0.0]]
+    assert pool_states(h, m, "mean", False).tolist() == [[2.0, 1.0]]      # padding left out
+    assert pool_states(h, m, "cls", False).tolist() == [[3.0, 0.0]]
+    assert pool_states(h, m, "cls", True).tolist() == [[1.0, 0.0]]
 
 
 def test_bind_warning():

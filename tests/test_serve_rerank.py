@@ -27,7 +27,7 @@ from duolm.models.bert import BertConfig  # noqa: E402
 from duolm.models.heads import HeadConfig, head_model  # noqa: E402
 from duolm.serve import ServeConfig  # noqa: E402
 from duolm.serve.app import create_app  # noqa: E402
-from duolm.serve.encoders import read_pooling  # noqa: E402
+from duolm.convert.st import read_pooling  # noqa: E402
 from duolm.serve.schemas import MAX_INPUTS  # noqa: E402
 from duolm.tasks.sentence import pair_scores  # noqa: E402
 from test_serve import sharpen  # noqa: E402

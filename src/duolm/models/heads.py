@@ -84,8 +84,16 @@ def _init(linear: nn.Linear) -> nn.Linear:
 
 
 class _OnBert(nn.Module):
-    """A head model over a Bert encoder, `bert`."""
+    """A head model over a Bert encoder, `bert`, for a head of one of `kinds`."""
     bert: Bert
+    kinds: tuple[str, ...] = ()
+
+    def __init__(self, config: BertConfig, head: HeadConfig):
+        super().__init__()
+        if head.kind not in self.kinds:
+            raise ValueError(f"{type(self).__name__} predicts {' or '.join(self.kinds)}, not {head.kind!r}")
+        self.config, self.head = config, head
+        self.bert = Bert(config)
 
     @property
     def backbone(self) -> Bert:
@@ -95,12 +103,10 @@ class _OnBert(nn.Module):
 class BertForSequence(_OnBert):
     """A label (or a number) per input: the pooled [CLS] state (Bert's tanh pooler), dropout, linear."""
 
+    kinds = ("classify", "regress")
+
     def __init__(self, config: BertConfig, head: HeadConfig):
-        super().__init__()
-        if head.kind not in ("classify", "regress"):
-            raise ValueError(f"BertForSequence predicts classify or regress, not {head.kind!r}")
-        self.config, self.head = config, head
-        self.bert = Bert(config)
+        super().__init__(config, head)
         self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, head.n_out))
 
@@ -113,12 +119,10 @@ class BertForSequence(_OnBert):
 class BertForTokens(_OnBert):
     """A label per token (NER): dropout, then Linear(C, n_labels) on every hidden state."""
 
+    kinds = ("tag",)
+
     def __init__(self, config: BertConfig, head: HeadConfig):
-        super().__init__()
-        if head.kind != "tag":
-            raise ValueError(f"BertForTokens predicts tag, not {head.kind!r}")
-        self.config, self.head = config, head
-        self.bert = Bert(config)
+        super().__init__(config, head)
         self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, head.n_out))
 
@@ -131,12 +135,10 @@ class BertForTokens(_OnBert):
 class BertForSpans(_OnBert):
     """Span QA: one Linear(C, 2) gives every token a start score (W_s) and an end score (W_e)."""
 
+    kinds = ("span",)
+
     def __init__(self, config: BertConfig, head: HeadConfig):
-        super().__init__()
-        if head.kind != "span":
-            raise ValueError(f"BertForSpans predicts span, not {head.kind!r}")
-        self.config, self.head = config, head
-        self.bert = Bert(config)
+        super().__init__(config, head)
         self.fc = _init(nn.Linear(config.n_embd, 2))
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
@@ -150,12 +152,10 @@ class BertForChoice(_OnBert):
     """Multiple choice (BERT section 4.4, SWAG): each of N "[CLS] context [SEP] ending [SEP]" inputs gets a score
     from its pooled [CLS] state, the N scores are the logits of a softmax over the endings."""
 
+    kinds = ("choice",)
+
     def __init__(self, config: BertConfig, head: HeadConfig):
-        super().__init__()
-        if head.kind != "choice":
-            raise ValueError(f"BertForChoice predicts choice, not {head.kind!r}")
-        self.config, self.head = config, head
-        self.bert = Bert(config)
+        super().__init__(config, head)
         self.drop = Dropout(config.dropout)
         self.fc = _init(nn.Linear(config.n_embd, 1))
 
@@ -184,12 +184,7 @@ class BertForEmbedding(_OnBert):
     """A sentence embedding (sentence-transformers' bi-encoder): the encoder's states pooled as head.pooling says,
     L2-normalised when head.normalize; no new layer. Losses over pairs of embeddings live in duolm.tasks.embedding."""
 
-    def __init__(self, config: BertConfig, head: HeadConfig):
-        super().__init__()
-        if head.kind != "embed":
-            raise ValueError(f"BertForEmbedding predicts embed, not {head.kind!r}")
-        self.config, self.head = config, head
-        self.bert = Bert(config)
+    kinds = ("embed",)
 
     def forward(self, idx, segment_ids=None, attention_mask=None):
         """-> embeddings (B, C)."""

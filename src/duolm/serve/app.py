@@ -23,11 +23,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from duolm.convert.st import Pooling
 from duolm.models import GPT2
 from duolm.precision import quantize, resolve
 from duolm.serve import ServeConfig, bert, gpt2, heads, rerank, status, tokens
 from duolm.serve.deps import Served
-from duolm.serve.encoders import EncoderWorker, Pooling
+from duolm.serve.encoders import EncoderWorker
 from duolm.serve.metrics import Admission, Connections, Metrics
 from duolm.serve.scheduler import Scheduler
 from duolm.serve.schemas import APIError

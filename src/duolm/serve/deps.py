@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from duolm.models.heads import HEAD_MODELS
-from duolm.serve.encoders import Pooling
+from duolm.convert.st import Pooling
 from duolm.serve.metrics import Admission, Metrics
 from duolm.serve.schemas import APIError
 

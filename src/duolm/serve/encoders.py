@@ -16,7 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
-from duolm.convert.st import Pooling, read_pooling
+from duolm.convert.st import Pooling
 from duolm.models.heads import pool_states
 
 log = logging.getLogger("duolm.serve")
@@ -39,20 +39,10 @@ def embed(model, ids: list, pooling: Pooling, batch_size: int = 64) -> list:
                 idx[j, :len(x)] = torch.tensor(x)
                 mask[j, :len(x)] = 1
             hidden, _ = bert(idx, attention_mask=mask)
-            vec = pool(hidden.float(), mask, pooling)
+            vec = pool_states(hidden.float(), mask, pooling.mode, pooling.normalize)
             for j, i in enumerate(order[s:s + batch_size]):
                 out[i] = vec[j].cpu()
     return out
-
-
-def pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: Pooling) -> torch.Tensor:
-    """hidden (B, T, C), mask (B, T) of 0/1 -> (B, C): the mean over real tokens or the [CLS] state,
-    L2-normalised when pooling.normalize (sentence-transformers' Pooling + Normalize).
-
-    >>> pool(torch.tensor([[[3., 0.], [1., 2.], [9., 9.]]]), torch.tensor([[1, 1, 0]]), Pooling("mean", False))
-    tensor([[2., 1.]])
-    """
-    return pool_states(hidden, mask, pooling.mode, pooling.normalize)
 
 
 class EncoderWorker:
@@ -134,6 +124,3 @@ class EncoderWorker:
             for items, fut in group:
                 fut.set_result(results[start:start + len(items)])
                 start += len(items)
-
-
-__all__ = ["Pooling", "read_pooling", "embed", "pool", "EncoderWorker"]
