@@ -108,7 +108,7 @@ def _works(kernel: str) -> bool:
         if kernel == "onednn":
             _onednn(x, _pack(w), None)
         else:
-            _int8_pack(*int8_rows(w))
+            _int8_linear(x, _int8_pack(*int8_rows(w)), False)
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         warnings.warn(f"duolm.precision: torch's {kernel} kernel is unavailable here ({type(e).__name__}: {e}); "
                       f"running the same arithmetic in public torch ops", RuntimeWarning, stacklevel=3)
@@ -201,14 +201,23 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _int8_pack(q: torch.Tensor, scale: torch.Tensor):
-    """The x86 quantized engine's packed form of q * scale (quantized tensors are deprecated upstream; the tested
-    torch has them, and _works() falls back where they are gone)."""
+def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    """The x86 quantized engine's packed form of q * scale, with the bias it adds to each output (quantized tensors
+    are deprecated upstream; the tested torch has them, and _works() falls back where they are gone)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
                                                       torch.zeros(len(q), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, None)
+    return torch.ops.quantized.linear_prepack(qw, bias)
+
+
+def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
+    """The x86 dynamic int8 kernel on a packed weight. Called on an object that is not a tensor (the packed weight),
+    torch's dispatcher first asks it for __torch_function__, a lookup that fails by raising an exception: ~12 us a
+    call, more than the kernel takes for a 768 x 768 matrix at one row. Subclasses' __torch_function__ is off
+    around the call (no subclass can reach inside the kernel), which skips the lookup; modes still see the op."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, reduce_range)
 
 
 # Without AVX512-VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
@@ -216,20 +225,22 @@ def _int8_pack(q: torch.Tensor, scale: torch.Tensor):
 _REDUCE_RANGE = "avx512_vnni" not in (_cpuinfo("flags") or "").split()
 
 
-def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """x @ W.T for f(v) = v @ W.T, computed as f((x - lo) / span) * span + lo * row_sums, with lo and span the
-    min and max - min of each row of x (span 1 for a constant row) and row_sums = W.sum(1): every row enters f
-    on [0, 1]. A single row goes in as it is.
+def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W.T + bias for f(v) = v @ W.T + bias (bias None: none), computed as (f(u) - bias) * span + lo * row_sums
+    + bias with u = (x - lo) / span, lo and span the min and max - min of each row of x (span 1 for a constant row)
+    and row_sums = W.sum(1): every row enters f on [0, 1]. A single row goes in as it is.
 
-    >>> W = torch.tensor([[1.0, 2.0], [0.0, -1.0]])
-    >>> row_affine(lambda v: v @ W.T, W.sum(1), torch.tensor([[3.0, 5.0], [2.0, 2.0]])).tolist()
-    [[13.0, -5.0], [6.0, -2.0]]
+    >>> W, b = torch.tensor([[1.0, 2.0], [0.0, -1.0]]), torch.tensor([1.0, 0.0])
+    >>> row_affine(lambda v: v @ W.T + b, W.sum(1), torch.tensor([[3.0, 5.0], [2.0, 2.0]]), b).tolist()
+    [[14.0, -5.0], [7.0, -2.0]]
     """
     if x.numel() == x.shape[-1]:
         return f(x)
     lo, hi = x.aminmax(dim=-1, keepdim=True)
     span = torch.where(hi > lo, hi - lo, 1.0)
-    return torch.addcmul(lo * row_sums, f((x - lo) / span), span)
+    if bias is None:
+        return torch.addcmul(lo * row_sums, f((x - lo) / span), span)
+    return torch.addcmul(lo * row_sums + bias, f((x - lo) / span) - bias, span)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
@@ -293,9 +304,9 @@ class BF16Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """y = row_affine(int8 product) + b: W as int8 rows with a scale each (int8_rows), each input row mapped onto
-    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel (int8_matmul where that kernel
-    is unavailable, or under torch.compile, which cannot trace the kernel's packed weight)."""
+    """y = row_affine(int8 product + b): W as int8 rows with a scale each (int8_rows), each input row mapped onto
+    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel, which adds b (int8_matmul where
+    that kernel is unavailable, or under torch.compile, which cannot trace the kernel's packed weight)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -304,16 +315,17 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.packed = _int8_pack(q, scale) if _works("int8") else None
+        self.packed = _int8_pack(q, scale, self.bias) if _works("int8") else None
 
     def matmul(self, v):
+        """v @ W.T + b."""
         if self.packed is None or torch.compiler.is_compiling():
-            return int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
-        return torch.ops.quantized.linear_dynamic(v.contiguous(), self.packed, _REDUCE_RANGE)
+            y = int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
+            return y if self.bias is None else y + self.bias
+        return _int8_linear(v, self.packed, _REDUCE_RANGE)
 
     def forward(self, x):
-        y = row_affine(self.matmul, self.row_sums, x)
-        return y if self.bias is None else y + self.bias
+        return row_affine(self.matmul, self.row_sums, x, self.bias)
 
     def extra_repr(self):
         kernel = "x86 dynamic int8" if self.packed is not None else "int8 in public ops"
