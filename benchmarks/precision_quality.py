@@ -42,11 +42,12 @@ import torch
 import torch.nn.functional as F
 
 from duolm.checkpoint import load
+from duolm.convert.st import read_pooling
 from duolm.data import prepare
 from duolm.generation import generate
 from duolm.metrics import spearman
 from duolm.precision import machine, quantize
-from duolm.serve.encoders import embed, read_pooling
+from duolm.serve.encoders import embed
 from duolm.tasks import Files, TaskOptions
 from duolm.tasks.sentence import load_glue
 from duolm.tokenizers import ByteLevelBPE

@@ -113,3 +113,19 @@ def test_time_per_run_leaves_out_runs_continued_from_a_checkpoint(tmp_path):
     (tmp_path / "mrpc.json").write_text(json.dumps(rec))
     row = next(line for line in R.table(tmp_path).splitlines() if line.startswith("| MRPC"))
     assert "| 100 s (bf16) |" in row                   # (100 + 101) / 2, not (100 + 101 + 20) / 3
+
+
+def test_every_benchmark_imports_names_duolm_has():
+    """The benchmarks run by hand, not in the suite: a name moved inside duolm must not leave one unable to start
+    (precision_quality.py once imported read_pooling from where it had gone)."""
+    import ast
+    import importlib
+
+    missing = []
+    for script in sorted((ROOT / "benchmarks").glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "duolm":
+                module = importlib.import_module(node.module)
+                missing += [f"{script.name}: {node.module}.{a.name}" for a in node.names
+                            if not hasattr(module, a.name) and importlib.util.find_spec(f"{node.module}.{a.name}") is None]
+    assert not missing, missing
