@@ -314,8 +314,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
-        self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.packed = _int8_pack(q, scale, self.bias) if _works("int8") else None
+        bias = None if bias is None else bias.detach().float()
+        self.register_buffer("bias", bias)
+        self.packed = _int8_pack(q, scale, bias) if _works("int8") else None
 
     def matmul(self, v):
         """v @ W.T + b."""
