@@ -1,6 +1,8 @@
 """README.md's fine-tuning results table and speed table, and docs/benchmarks.md's table of every speed row, are
 generated from results/*.json (benchmarks/results.py): the committed tables must equal what the committed files
 give, and a changed file must be caught."""
+import ast
+import importlib
 import importlib.util
 import json
 import shutil
@@ -118,9 +120,6 @@ def test_time_per_run_leaves_out_runs_continued_from_a_checkpoint(tmp_path):
 def test_every_benchmark_imports_names_duolm_has():
     """The benchmarks run by hand, not in the suite: a name moved inside duolm must not leave one unable to start
     (precision_quality.py once imported read_pooling from where it had gone)."""
-    import ast
-    import importlib
-
     missing = []
     for script in sorted((ROOT / "benchmarks").glob("*.py")):
         for node in ast.walk(ast.parse(script.read_text())):

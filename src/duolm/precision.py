@@ -213,8 +213,8 @@ def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
 
 def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
     """The x86 dynamic int8 kernel on a packed weight. Called on an object that is not a tensor (the packed weight),
-    torch's dispatcher first asks it for __torch_function__, a lookup that fails by raising an exception: ~12 us a
-    call, more than the kernel takes for a 768 x 768 matrix at one row. Subclasses' __torch_function__ is off
+    torch's dispatcher first asks it for __torch_function__, a lookup that fails by raising an exception, on a
+    small matrix at one row costlier than the kernel (docs/benchmarks.md). Subclasses' __torch_function__ is off
     around the call (no subclass can reach inside the kernel), which skips the lookup; modes still see the op."""
     with torch._C.DisableTorchFunctionSubclass():
         return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, reduce_range)

@@ -55,7 +55,7 @@ def next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None
     """logits (B, V) -> ids (B,): argmax when temperature == 0, else a draw from the filtered
     softmax (with `generator`, so a seed makes it reproducible)."""
     if temperature == 0:
-        return logits.max(dim=-1).indices       # the first maximal index, as argmax, at twice its speed on CPUs
+        return logits.max(dim=-1).indices       # the first maximal index, as argmax (its CPU kernel the slower)
     logits = apply_temperature(logits.float(), temperature)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)

@@ -92,11 +92,12 @@ def predict(model, tokenizer, inputs, batch_size: int = 64) -> list[dict]:
     return head_task(model.head).predict(model, tokenizer, inputs, batch_size)
 
 
-def evaluate(model, tokenizer, files: Files, split: str = "dev", options: TaskOptions = TaskOptions(),
+def evaluate(model, tokenizer, files: Files, split: str = "dev", options: TaskOptions | None = None,
              batch_size: int = 64) -> tuple[dict, list]:
     """The official metrics of a fine-tuned model on the dev (or train) data of the task it was trained on, its
     inputs made as `options` say (NER's context and stride, the held-out dev_fraction), as validation during
-    fine-tuning makes them -> ({prefix + metric: value}, notes about the data)."""
+    fine-tuning makes them (None: TaskOptions()) -> ({prefix + metric: value}, notes about the data)."""
+    options = options or TaskOptions()
     t, head = head_task(model.head), model.head
     splits = ("train", "dev") if split == "train" or options.dev_fraction else ("dev",)
     data = t.read(head.task or head.kind, files, splits, options, head)
