@@ -20,6 +20,7 @@ from duolm.evaluation.prompted import coqa_f1, first_sentences  # noqa: E402
 from duolm.evaluation.readers import CBTExample, LambadaExample  # noqa: E402
 from duolm import cli  # noqa: E402
 from duolm.evaluation.tasks import STOPWORDS, cbt_scores, cbt_texts  # noqa: E402
+from duolm.generation.static import _DECODERS, StaticDecoder  # noqa: E402
 from duolm.models import GPT2, GPT2Config  # noqa: E402
 
 REL = 1e-6
@@ -408,6 +409,9 @@ def test_coqa_equals_transformers_greedy(models, tok, tmp_path):
     preds = [hf_tok.decode(_hf_greedy_line(hf, hf_tok(p)["input_ids"][-(256 - 32):], 32, tok.eot_id)).split("\n")[0].strip()
              for p in prompts]
     assert got["predictions"] == preds
+    _DECODERS[model] = StaticDecoder(model, compile=False)     # compile=True's route: the static step, uncompiled
+    assert evaluate_lm(model, tok, "coqa", tmp_path / "coqa.json", compile=True)["predictions"] == preds
+    assert _DECODERS.pop(model).built == 1                     # both questions' prompts in one bucket
     f1 = (coqa_f1(preds[0], ["a white cat", "a cat"]) + coqa_f1(preds[1], ["in a basket", "by the fire"])) / 2
     assert got["f1"] == pytest.approx(100 * f1)
 
@@ -534,8 +538,9 @@ def test_cli_eval_prints_metric_protocol_and_writes_json_and_markdown(models, to
     model, _, _, d = models
     ptb = tmp_path / "ptb.test.txt"
     ptb.write_text("".join(open(data_dir / "ptb" / "ptb.test.txt").readlines()[:20]))
-    cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--stride", "200", "--json"])
-    got = json.loads(capsys.readouterr().out)
+    cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--stride", "200", "--json", "--compile"])
+    got, err = json.loads((r := capsys.readouterr()).out), r.err
+    assert "compiled" not in err                       # --compile decodes; perplexity does not: nothing compiled
     ref = evaluate_lm(model, tok, "ptb", ptb, stride=200)
     assert got == pytest.approx(ref) and "stride 200" in got["protocol"]
     cli.main(["eval", str(d), "--task", "ptb", "--data", str(ptb), "--no-detokenize", "-o", str(tmp_path / "r.json")])

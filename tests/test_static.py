@@ -118,3 +118,27 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
     prompts = prompts_of(2, seed=3, vocab=512)
     assert ids(model, prompts, 40, True, temperature=0) == ids(model, prompts, 40, False, temperature=0)
+
+
+def test_compiled_step_of_an_int8_model(monkeypatch):
+    """A model swapped by quantize(model, "int8"): the compiled step calls the x86 int8 kernel as the operator
+    duolm::int8_linear, never the formula in public ops (int8_matmul: float64 products, some 20x slower), and gives
+    the eager int8 ids at batch 1 and 3 (rows mapped by row_affine inside the graph). A deep copy's linears are
+    operators' modules of their own."""
+    import copy
+
+    from duolm import precision
+
+    model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")
+    linears = [m for m in model.modules() if isinstance(m, precision.Int8Linear)]
+    assert linears and all(m.packed is not None for m in linears)
+    prompts = prompts_of(3, seed=4, vocab=512)
+    want = [ids(model, p, 40, False, temperature=0) for p in (prompts[:1], prompts)]
+
+    def formula(*args):
+        raise AssertionError("int8_matmul traced")
+    monkeypatch.setattr(precision, "int8_matmul", formula)
+    assert [ids(model, p, 40, True, temperature=0) for p in (prompts[:1], prompts)] == want
+    copies = [m for m in copy.deepcopy(model).modules() if isinstance(m, precision.Int8Linear)]
+    assert all(precision._INT8[c.number] is c for c in copies)
+    assert not {c.number for c in copies} & {m.number for m in linears}

@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import platform
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -303,10 +305,26 @@ class BF16Linear(nn.Module):
                f"bias={self.bias is not None}, weight=bf16"
 
 
+# The int8 kernel as an operator torch.compile calls without looking inside (torch.library.custom_op): dynamo cannot
+# trace the packed weight, a TorchScript object, so the operator takes the number of the Int8Linear that holds it.
+_INT8: weakref.WeakValueDictionary = weakref.WeakValueDictionary()     # number -> Int8Linear, gone with the module
+_NUMBERS = itertools.count()
+
+
+@torch.library.custom_op("duolm::int8_linear", mutates_args=())
+def _int8_op(x: torch.Tensor, module: int) -> torch.Tensor:
+    return _int8_linear(x, _INT8[module].packed, _REDUCE_RANGE)
+
+
+@_int8_op.register_fake
+def _(x, module):
+    return x.new_empty(*x.shape[:-1], _INT8[module].qweight.shape[0])
+
+
 class Int8Linear(nn.Module):
     """y = row_affine(int8 product + b): W as int8 rows with a scale each (int8_rows), each input row mapped onto
-    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel, which adds b (int8_matmul where
-    that kernel is unavailable, or under torch.compile, which cannot trace the kernel's packed weight)."""
+    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel, which adds b (under
+    torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -317,12 +335,23 @@ class Int8Linear(nn.Module):
         bias = None if bias is None else bias.detach().float()
         self.register_buffer("bias", bias)
         self.packed = _int8_pack(q, scale, bias) if _works("int8") else None
+        self._register()
+
+    def _register(self):
+        self.number = next(_NUMBERS)
+        _INT8[self.number] = self
+
+    def __setstate__(self, state):          # a copy (copy.deepcopy) is registered as a module of its own
+        super().__setstate__(state)
+        self._register()
 
     def matmul(self, v):
         """v @ W.T + b."""
-        if self.packed is None or torch.compiler.is_compiling():
+        if self.packed is None:
             y = int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
             return y if self.bias is None else y + self.bias
+        if torch.compiler.is_compiling():
+            return _int8_op(v, self.number)
         return _int8_linear(v, self.packed, _REDUCE_RANGE)
 
     def forward(self, x):

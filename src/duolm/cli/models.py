@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 
-from duolm.cli.options import Progress, add_options, add_precision, for_inference, options
+from duolm.cli.options import Progress, add_options, add_precision, for_inference, options, report_compile
 
 
 def cmd_tokenizer_train(args):
@@ -152,8 +152,7 @@ def cmd_generate(args):
             sys.stdout.flush()
     print()
     if args.compile:
-        from duolm.generation.static import decoder_of
-        print(f"duolm: compiled the decode step in {decoder_of(model).compile_s:.1f} s", file=sys.stderr)
+        report_compile(model)
     if gen.stop_reason == StopReason.CONTEXT:
         print(f"duolm: stopped: the context window of {model.config.block_size} tokens is full", file=sys.stderr)
 

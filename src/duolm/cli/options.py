@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 
 
@@ -61,6 +62,14 @@ def for_inference(model, args, device="cpu"):
     from duolm.precision import quantize, resolve
 
     return quantize(model, resolve(args.precision, device, training=False))
+
+
+def report_compile(model) -> None:
+    """Prints (stderr) the seconds `model`'s static decode steps took to compile (--compile), where any was built."""
+    from duolm.generation.static import decoder_of
+
+    if decoder_of(model).built:
+        print(f"duolm: compiled the decode step in {decoder_of(model).compile_s:.1f} s", file=sys.stderr)
 
 
 def options(cls, args):

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from duolm.cli.options import Bars, add_options, add_precision, for_inference, options
+from duolm.cli.options import Bars, add_options, add_precision, for_inference, options, report_compile
 
 
 def add_task_data(p):
@@ -171,6 +171,8 @@ def cmd_eval(args):
 
         result = (run_suite(model, tok, args.data_dir, progress, args.suite, **opts) if args.suite else
                   evaluate_lm(model, tok, args.task, args.data, lambda *a: progress(args.task, *a), **opts))
+    if args.compile:
+        report_compile(model)
     items = [{"task": t, **x} for t, r in result.get("results", {args.task: result}).items() for x in r.pop("items", [])]
     if args.scores:                                # multiple choice: one line of scores per item
         write_text(args.scores, "".join(json.dumps(x) + "\n" for x in items))

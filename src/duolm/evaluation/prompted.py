@@ -88,7 +88,7 @@ def _continue(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, o
     for s in range(0, len(order), opts.batch_size):
         part = order[s:s + opts.batch_size]
         gen = generate(model, [prompts[k] for k in part], max_new_tokens, temperature=0.0 if top_k is None else 1.0,
-                       top_k=top_k, stop=stop, generator=generator)
+                       top_k=top_k, stop=stop, generator=generator, compile=opts.compile)
         for _ in gen:
             pass
         for k, ids in zip(part, gen.tokens):

@@ -38,6 +38,9 @@ class EvalOptions:
     seed: int = field(default=0, metadata={"help": "sampling seed (summarize)"})
     shots: int = field(default=4, metadata={"help": "translate: example pairs before each sentence"})
     direction: str = field(default="en-fr", metadata={"help": "translate: direction", "choices": ["en-fr", "fr-en"]})
+    compile: bool = field(default=False, metadata={
+        "help": "coqa, summarize, translate: decode through the static-shape step compiled with torch.compile (a "
+                "CUDA graph on GPUs; no faster on the CPU); the scoring forwards stay eager"})
 
 
 # --- corpus perplexity -----------------------------------------------------------------------------
