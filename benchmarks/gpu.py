@@ -14,8 +14,8 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
   bert-train  BERT-base pretraining step (MLM + NSP, 15% masked, dropout 0.1) at 128 and 512 tokens per sequence,
               bf16 autocast, torch.compile, fused AdamW: each library's own pretraining loss (duolm's MLM_NSP
               objective; transformers' BertForPreTraining(labels=, next_sentence_label=)).
-  decode      GPT-2 124M greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64, bf16 and fp32 weights (TF32
-              off): duolm eager, duolm compiled (generate(compile=True): the static step replayed as a CUDA graph) and
+  decode      GPT-2 124M (--decode-model: another size) greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64
+              (--decode-batches), bf16 and fp32 weights (TF32 off): duolm eager, duolm compiled (generate(compile=True): the static step replayed as a CUDA graph) and
               transformers.generate; the ids compared; at batch 1 the share of the bandwidth bound (all weights read
               once a token at the device-to-device copy bandwidth measured in the run).
 Ratios are duolm's tokens/s over transformers'. Prints the GPU, torch and transformers versions.
@@ -177,7 +177,8 @@ def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
 
 
 def case_decode(args):
-    """Greedy decoding of GPT-2 124M at batch 1 and 64, fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
+    """Greedy decoding of a GPT-2 (random weights; 124M unless --decode-model) at batch 1 and 64 (--decode-batches),
+    fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
     duolm compiled (generate(compile=True): the static step, a CUDA graph) and transformers.generate, interleaved.
     The bound printed beside batch 1: every weight read once a token, at the copy bandwidth measured here."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -186,7 +187,7 @@ def case_decode(args):
     new, out = args.new_tokens, []
     for dtype in args.decode_dtypes.split(","):
         torch.manual_seed(0)
-        cfg = GPT2Config.preset("gpt2")
+        cfg = GPT2Config.preset(args.decode_model)
         ours = GPT2(cfg).eval()
         theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conv.gpt2_config_to_hf(cfg),
                                                                       attn_implementation="sdpa")).eval()
@@ -195,7 +196,7 @@ def case_decode(args):
         ours.to(CUDA, dt), theirs.to(CUDA, dt)
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         bound = bw * 1e9 / weight_bytes
-        for B in (1, 64):
+        for B in map(int, args.decode_batches.split(",")):
             prompts = torch.randint(0, cfg.vocab_size, (B, 32), generator=torch.Generator().manual_seed(B)).tolist()
 
             def run_ours(compile=False):
@@ -215,12 +216,13 @@ def case_decode(args):
             compile_s = decoder_of(ours).compile_s
             eager, compiled, hf = run_ours(), run_ours(True), run_theirs()
             same = {"compiled_vs_eager": compiled == eager, "eager_vs_transformers": eager == hf}
-            print(f"\n== GPT-2 124M greedy decoding, batch {B}, 32 + {new} tokens, {dtype}; same ids: {same}; "
+            print(f"\n== {args.decode_model} greedy decoding, batch {B}, 32 + {new} tokens, {dtype}; same ids: {same}; "
                   f"compile + capture {compile_s:.1f} s; batch-1 bound {bound:,.0f} tok/s "
                   f"({weight_bytes / 1e6:.0f} MB of weights)", flush=True)
             rates = interleaved({"duolm compiled": lambda: run_ours(True), "duolm eager": run_ours,
                                  "transformers": run_theirs}, B * new, 1, args.rounds)
-            row = {"case": f"decode-{dtype}-b{B}", **{f"{k.replace(' ', '_')}_tokens_per_s": v for k, v in rates.items()},
+            size = "" if args.decode_model == "gpt2" else f"{args.decode_model}-"
+            row = {"case": f"decode-{size}{dtype}-b{B}", **{f"{k.replace(' ', '_')}_tokens_per_s": v for k, v in rates.items()},
                    "ratio": rates["duolm compiled"] / rates["transformers"],
                    "eager_ratio": rates["duolm eager"] / rates["transformers"],
                    "compile_s": compile_s, "same_ids": same, "bandwidth_gbs": bw, "weight_bytes": weight_bytes}
@@ -243,6 +245,9 @@ def main():
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--new-tokens", type=int, default=128, help="decode: tokens generated after the 32-token prompt")
     ap.add_argument("--decode-dtypes", default="bf16,fp32", help="decode: the weights' dtypes, comma-separated")
+    ap.add_argument("--decode-model", default="gpt2", help="decode: the GPT-2 preset (gpt2-xl: 1.5B, where a token's "
+                                                           "kernels are larger than their launches)")
+    ap.add_argument("--decode-batches", default="1,64", help="decode: the batch sizes, comma-separated")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device")

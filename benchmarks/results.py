@@ -421,6 +421,10 @@ GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, 
                    "fp32"),
     **{f"decode-{p}-b{B}": (f"GPT-2 124M greedy decoding, 32 + 128 tokens, batch {B}, generate(compile=True)",
                             "python benchmarks/gpu.py --cases decode", p) for p in ("bf16", "fp32") for B in (1, 64)},
+    **{f"decode-gpt2-xl-{p}-b{B}": (f"GPT-2 1.5B (gpt2-xl's shapes) greedy decoding, 32 + 128 tokens, batch {B}, "
+                                    "generate(compile=True)",
+                                    "python benchmarks/gpu.py --cases decode --decode-model gpt2-xl", p)
+       for p in ("bf16", "fp32") for B in (1, 64)},
 }
 GPU_FILES = ("gpu-h200.json", "gpu-h100.json")     # oldest first: a key's newest row is the README's
 
