@@ -124,7 +124,7 @@ def test_compiled_step_of_an_int8_model(monkeypatch):
     """A model swapped by quantize(model, "int8"): the compiled step calls the x86 int8 kernel as the operator
     duolm::int8_linear, never the formula in public ops (int8_matmul: float64 products, some 20x slower), and gives
     the eager int8 ids at batch 1 and 3 (rows mapped by row_affine inside the graph). A deep copy's linears are
-    operators' modules of their own."""
+    operators' modules of their own, and it decodes through the same graph."""
     import copy
 
     from duolm import precision
@@ -140,6 +140,10 @@ def test_compiled_step_of_an_int8_model(monkeypatch):
         raise AssertionError("int8_matmul traced")
     monkeypatch.setattr(precision, "int8_matmul", formula)
     assert [ids(model, p, 40, True, temperature=0) for p in (prompts[:1], prompts)] == want
-    copies = [m for m in copy.deepcopy(model).modules() if isinstance(m, precision.Int8Linear)]
-    assert all(precision._INT8[c.number] is c for c in copies)
-    assert not {c.number for c in copies} & {m.number for m in linears}
+    other = copy.deepcopy(model)              # a model of the same shape shares the graph: no new one is compiled
+    copies = [m for m in other.modules() if isinstance(m, precision.Int8Linear)]
+    assert all(precision._INT8[int(c.number)] is c for c in copies)
+    assert not {int(c.number) for c in copies} & {int(m.number) for m in linears}
+    graphs = counters["stats"]["unique_graphs"]
+    assert ids(other, prompts, 40, True, temperature=0) == want[1]
+    assert counters["stats"]["unique_graphs"] == graphs

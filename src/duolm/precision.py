@@ -306,19 +306,20 @@ class BF16Linear(nn.Module):
 
 
 # The int8 kernel as an operator torch.compile calls without looking inside (torch.library.custom_op): dynamo cannot
-# trace the packed weight, a TorchScript object, so the operator takes the number of the Int8Linear that holds it.
+# trace the packed weight, a TorchScript object, so the operator takes the number of the Int8Linear that holds it, as
+# a tensor (a buffer: an input of the graph, not a constant in it, so that models of one shape share their graphs).
 _INT8: weakref.WeakValueDictionary = weakref.WeakValueDictionary()     # number -> Int8Linear, gone with the module
 _NUMBERS = itertools.count()
 
 
 @torch.library.custom_op("duolm::int8_linear", mutates_args=())
-def _int8_op(x: torch.Tensor, module: int) -> torch.Tensor:
-    return _int8_linear(x, _INT8[module].packed, _REDUCE_RANGE)
+def _int8_op(x: torch.Tensor, module: torch.Tensor, out_features: int) -> torch.Tensor:
+    return _int8_linear(x, _INT8[int(module)].packed, _REDUCE_RANGE)
 
 
 @_int8_op.register_fake
-def _(x, module):
-    return x.new_empty(*x.shape[:-1], _INT8[module].qweight.shape[0])
+def _(x, module, out_features):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 class Int8Linear(nn.Module):
@@ -338,8 +339,9 @@ class Int8Linear(nn.Module):
         self._register()
 
     def _register(self):
-        self.number = next(_NUMBERS)
-        _INT8[self.number] = self
+        n = next(_NUMBERS)
+        self.register_buffer("number", torch.tensor(n), persistent=False)
+        _INT8[n] = self
 
     def __setstate__(self, state):          # a copy (copy.deepcopy) is registered as a module of its own
         super().__setstate__(state)
@@ -351,7 +353,7 @@ class Int8Linear(nn.Module):
             y = int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
             return y if self.bias is None else y + self.bias
         if torch.compiler.is_compiling():
-            return _int8_op(v, self.number)
+            return _int8_op(v, self.number, self.qweight.shape[0])
         return _int8_linear(v, self.packed, _REDUCE_RANGE)
 
     def forward(self, x):
