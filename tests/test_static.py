@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
 from duolm.generation import generate
-from duolm.generation.static import _DECODERS, StaticDecoder, cache_length, decoder_of
+from duolm.generation.static import _DECODERS, StaticDecoder, cache_length, decoder_of, step_function
 from duolm.models import GPT2, GPT2Config
 
 
@@ -93,6 +93,17 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once():
     assert (dec.built, counters["stats"]["unique_graphs"]) == (built, graphs)
 
 
+def test_models_of_other_shapes_compile_steps_of_their_own():
+    """Dynamo keeps a bounded number of graphs for each code object (8; 1 here): each structure of model has a step
+    function of its own, so a process decodes models of any number of shapes; models of one shape share theirs."""
+    a, b = (sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=n))) for n in (1, 2))
+    assert step_function(a) is step_function(sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=1))))
+    assert step_function(a).__code__ is not step_function(b).__code__
+    with torch._dynamo.config.patch(recompile_limit=1):                  # test-only: dynamo's private setting
+        for model in (a, b):
+            assert ids(model, [[1, 2, 3]], 8, True, temperature=0) == ids(model, [[1, 2, 3]], 8, False, temperature=0)
+
+
 def test_a_decoder_does_not_keep_its_model_alive():
     import gc
     import weakref
@@ -129,7 +140,6 @@ def test_compiled_step_of_an_int8_model(monkeypatch):
 
     from duolm import precision
 
-    torch.compiler.reset()      # dynamo keeps 8 graphs of a function: the suite's earlier models have used them
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")
     linears = [m for m in model.modules() if isinstance(m, precision.Int8Linear)]
     assert linears and all(m.packed is not None for m in linears)

@@ -16,6 +16,7 @@ per model and one captured graph per (batch, cache length) bucket, reused across
 from __future__ import annotations
 
 import time
+import types
 import weakref
 from collections import OrderedDict
 
@@ -42,6 +43,20 @@ def advance(model, cache, ids, pos, at, keys) -> torch.Tensor:
     pos.add_(1)
     at.add_(1)
     return logits
+
+
+_STEPS: dict = {}       # print(model) -> advance under a code object of its own
+
+
+def step_function(model):
+    """advance() with a code object of its own for each structure of model (print(model): its modules, their shapes
+    and kernels). Dynamo keeps at most 8 graphs a code object (torch._dynamo.config.recompile_limit); one code object
+    for every model would make the ninth model of another shape in a process fail (fullgraph). Models of one
+    structure share theirs, and their graphs."""
+    key = repr(model)
+    if key not in _STEPS:
+        _STEPS[key] = types.FunctionType(advance.__code__.replace(), advance.__globals__, "advance")
+    return _STEPS[key]
 
 
 class StaticStep:
@@ -123,7 +138,7 @@ class StaticDecoder:
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
-        self._fn = torch.compile(advance, fullgraph=True) if compile else advance
+        self._fn = torch.compile(step_function(model), fullgraph=True) if compile else advance
         self._steps: OrderedDict = OrderedDict()
         self.max_steps = max_steps
         self.compile_s = 0.0
