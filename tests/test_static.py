@@ -133,7 +133,7 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
 
 def test_compiled_step_of_an_int8_model(monkeypatch):
     """A model swapped by quantize(model, "int8"): the compiled step calls the x86 int8 kernel as the operator
-    duolm::int8_linear, never the formula in public ops (int8_matmul: float64 products, some 20x slower), and gives
+    duolm::int8_linear, never the formula in public ops (int8_matmul: float64 products, far slower), and gives
     the eager int8 ids at batch 1 and 3 (rows mapped by row_affine inside the graph). A deep copy's linears are
     operators' modules of their own, and it decodes through the same graph."""
     import copy
