@@ -81,7 +81,7 @@ def trained(data_dir, tmp_path_factory):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(0)
     for _ in range(60):
-        starts = torch.randint(0, len(ids) - BLOCK - 1, (16,), generator=g)
+        starts = torch.randint(0, len(ids) - BLOCK - 1, (8,), generator=g)
         x = torch.stack([ids[s:s + BLOCK] for s in starts])
         y = torch.stack([ids[s + 1:s + BLOCK + 1] for s in starts])
         loss = F.cross_entropy(model(x).reshape(-1, 50257), y.reshape(-1))
