@@ -15,9 +15,10 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
               bf16 autocast, torch.compile, fused AdamW: each library's own pretraining loss (duolm's MLM_NSP
               objective; transformers' BertForPreTraining(labels=, next_sentence_label=)).
   decode      GPT-2 124M (--decode-model: another size) greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64
-              (--decode-batches), bf16 and fp32 weights (TF32 off): duolm eager, duolm compiled (generate(compile=True): the static step replayed as a CUDA graph) and
-              transformers.generate; the ids compared; at batch 1 the share of the bandwidth bound (all weights read
-              once a token at the device-to-device copy bandwidth measured in the run).
+              (--decode-batches), bf16 and fp32 weights (TF32 off): duolm eager, duolm compiled (generate(compile=True):
+              the static step replayed as a CUDA graph) and transformers.generate; the ids compared; at batch 1 the
+              share of the bandwidth bound (all weights read once a token at the device-to-device copy bandwidth
+              measured in the run).
 Ratios are duolm's tokens/s over transformers'. Prints the GPU, torch and transformers versions.
 """
 from __future__ import annotations
@@ -222,7 +223,8 @@ def case_decode(args):
             rates = interleaved({"duolm compiled": lambda: run_ours(True), "duolm eager": run_ours,
                                  "transformers": run_theirs}, B * new, 1, args.rounds)
             size = "" if args.decode_model == "gpt2" else f"{args.decode_model}-"
-            row = {"case": f"decode-{size}{dtype}-b{B}", **{f"{k.replace(' ', '_')}_tokens_per_s": v for k, v in rates.items()},
+            row = {"case": f"decode-{size}{dtype}-b{B}",
+                   **{f"{k.replace(' ', '_')}_tokens_per_s": v for k, v in rates.items()},
                    "ratio": rates["duolm compiled"] / rates["transformers"],
                    "eager_ratio": rates["duolm eager"] / rates["transformers"],
                    "compile_s": compile_s, "same_ids": same, "bandwidth_gbs": bw, "weight_bytes": weight_bytes}
