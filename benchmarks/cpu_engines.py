@@ -19,10 +19,13 @@ The engines alternate within each round (A B C A B C ...) and each row reports t
 rounds, then the ratios in the same run. CTranslate2 runs in a process of its own (called in turn, its
 result sent back): in the benchmark's own process, once it has run, PyTorch's kernels stay at ~0.55x their
 speed for the rest of the process (measured: duolm int8 batch-1 decoding ~100 -> ~57 tokens/s), which made
-earlier runs of this script compare a slowed duolm and transformers with CTranslate2. Batch-1 decoding is memory-bound: the bound printed beside it is the
-read bandwidth measured here (a streaming sum over 1 GiB) over the bytes of weights one token reads (every
-matrix once, the tied output layer included; int8 rows: a byte a weight, a quarter of that). Prints the CPU, its
-bf16 support and the load average.
+earlier runs of this script compare a slowed duolm and transformers with CTranslate2.
+
+Batch-1 decoding is memory-bound: the bound printed beside it is the read bandwidth measured here over the bytes
+of weights one token reads (every matrix once, the tied output layer included; int8 rows: a byte a weight, a
+quarter of that). The bandwidth is a streaming sum over 1 GiB timed in the batch-1 rounds beside the engines (the
+median of its rounds): a shared machine's memory speed drifts over a run, and a bound measured once at the start
+can be minutes away from the decoding it is compared with. Prints the CPU, its bf16 support and the load average.
 
     python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--default-malloc] [--json out.json]
 """
@@ -57,10 +60,7 @@ PRODUCTS = "duolm fp32, products alone"       # batch 1: the matrix products of 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
-def bandwidth_gbs(n_bytes=1 << 30, repeats=3) -> float:
-    a = torch.ones(n_bytes // 4)
-    best = min(_timed(a.sum) for _ in range(repeats))
-    return n_bytes / best / 1e9
+READ = "read 1 GiB"        # batch 1: the streaming sum whose rate is the bandwidth bound's numerator
 
 
 def _timed(f) -> float:
@@ -186,9 +186,11 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ids = {k: f() for k, f in engines.items()}          # also the warm-up
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
-    if batch == 1:                    # in the same rounds: what duolm's fp32 rate would be with nothing but products
-        engines[PRODUCTS] = token_products(fp32, new)
-        engines[PRODUCTS]()
+    if batch == 1:                    # in the same rounds: what duolm's fp32 rate would be with nothing but products,
+        engines[PRODUCTS] = token_products(fp32, new)    # and the read bandwidth
+        engines[READ] = torch.ones((1 << 30) // 4).sum
+        for k in (PRODUCTS, READ):
+            engines[k]()
     times = _rounds(engines, rounds)
     for worker in ct2.values():
         worker.close()
@@ -287,15 +289,17 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         gpt_hf, bert_hf = save_models(folder)
-        gbs = bandwidth_gbs()
         weight_bytes = 4 * (sum(p.numel() for n, p in gpt_hf.named_parameters() if p.dim() == 2 and "wpe" not in n))
-        bounds = {"fp32": gbs * 1e9 / weight_bytes, "int8": gbs * 1e9 / (weight_bytes / 4)}   # a byte a weight
-        out["bandwidth_gbs"], out["bounds"] = gbs, bounds
-        print(f"\nread bandwidth {gbs:.1f} GB/s; fp32 weights read per token {weight_bytes / 1e6:.0f} MB -> "
-              f"batch-1 bound {bounds['fp32']:.1f} tokens/s; int8 weights (a quarter) -> {bounds['int8']:.1f}")
         print(f"\nGPT-2 124M greedy, {PROMPT}-token prompt, {args.new_tokens} new tokens, median of {args.rounds} rounds")
         for batch in (1, 8):
             times, same = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
+            if batch == 1:
+                gbs = (1 << 30) / times.pop(READ) / 1e9
+                bounds = {"fp32": gbs * 1e9 / weight_bytes, "int8": gbs * 1e9 / (weight_bytes / 4)}   # a byte a weight
+                out["bandwidth_gbs"], out["bounds"] = gbs, bounds
+                print(f"  read bandwidth in these rounds {gbs:.1f} GB/s; fp32 weights read per token "
+                      f"{weight_bytes / 1e6:.0f} MB -> batch-1 bound {bounds['fp32']:.1f} tokens/s; int8 weights "
+                      f"(a quarter) -> {bounds['int8']:.1f}")
             tps = {k: batch * args.new_tokens / t for k, t in times.items()}
             out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
             for k, v in tps.items():
