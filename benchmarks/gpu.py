@@ -18,7 +18,7 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
               (--decode-batches), bf16 and fp32 weights (TF32 off): duolm eager, duolm compiled (generate(compile=True):
               the static step replayed as a CUDA graph) and transformers.generate; the ids compared; at batch 1 the
               share of the bandwidth bound (all weights read once a token at the device-to-device copy bandwidth
-              measured in the run).
+              measured in the run) and a profile of one compiled step (its kernels, their count and time).
 Ratios are duolm's tokens/s over transformers'. Prints the GPU, torch and transformers versions.
 """
 from __future__ import annotations
@@ -177,6 +177,27 @@ def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
     return 2 * n_bytes * reps / sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / 1e9
 
 
+def step_profile(model, needed: int, steps: int = 20) -> dict:
+    """Where a batch-1 compiled decode step's time goes: torch.profiler over `steps` replays of the static step's CUDA
+    graph (the bucket holding `needed` columns, built by the timed runs) -> the step's wall time, the kernels a step
+    and their summed time, the costliest kernels. Kernel time near the wall time: the kernels themselves decide;
+    far below it: the gaps between them."""
+    st = decoder_of(model).get(1, needed)
+    nxt = torch.zeros(1, dtype=torch.long, device=CUDA)
+    with torch.inference_mode():                         # as generate runs it (the step's buffers are inference tensors)
+        st.prefill(torch.zeros(1, 32, dtype=torch.long, device=CUDA), None)
+        st.step(nxt)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            wall = sync_time(lambda: [st.step(nxt) for _ in range(steps)]) / steps
+    kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: -e.device_time_total)
+    return {"wall_us_per_step": 1e6 * wall, "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "kernel_us_per_step": sum(e.device_time_total for e in kernels) / steps,
+            "top": [{"kernel": e.key[:100], "us_per_step": e.device_time_total / steps, "per_step": e.count / steps}
+                    for e in kernels[:12]]}
+
+
 def case_decode(args):
     """Greedy decoding of a GPT-2 (random weights; 124M unless --decode-model) at batch 1 and 64 (--decode-batches),
     fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
@@ -231,8 +252,14 @@ def case_decode(args):
             if B == 1:
                 row["bound_tokens_per_s"] = bound
                 row["share_of_bound"] = rates["duolm compiled"] / bound
+                row["profile"] = prof = step_profile(ours, 32 + new - 1)
             print(f"  compiled {row['ratio']:.2f}x transformers (eager {row['eager_ratio']:.2f}x)"
                   + (f"; {row['share_of_bound']:.0%} of the bandwidth bound" if B == 1 else ""), flush=True)
+            if B == 1:
+                print(f"  one compiled step, profiled: {prof['wall_us_per_step']:.0f} us; {prof['kernels_per_step']:.0f} "
+                      f"kernels, {prof['kernel_us_per_step']:.0f} us of them; the costliest (us a step, launches):\n"
+                      + "\n".join(f"    {k['us_per_step']:7.1f} {k['per_step']:4.0f}  {k['kernel']}" for k in prof["top"]),
+                      flush=True)
             out.append(row)
         torch.cuda.empty_cache()
     return out
