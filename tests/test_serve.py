@@ -315,6 +315,26 @@ def test_batch_invariant_rows_equal_generate_alone():
     assert all(r.cache is None for r in rows) and sched.running == 0
 
 
+def test_a_decode_step_reads_every_rows_token_in_one_transfer(monkeypatch):
+    """The drawn ids of a step's rows, greedy and sampled, come to the host in one read (on a GPU each read waits for
+    the device), not one int() a row; the draws themselves are each row's own (test_scheduler_rows_equal_generate_alone)."""
+    model = tiny_gpt2(vocab_size=97, block_size=64)
+    rows = [Row(prompt=[1 + i, 2, 3], max_tokens=20, temperature=t, seed=i)
+            for i, t in enumerate([0.0, 0.0, 0.0, 1.0, 0.0, 0.7])]
+    sched = Scheduler(model, max_batch=6)
+    sched.submit(rows)
+    sched.step()                                          # the joins (one read each) and a first step
+    reads = []
+    for name in ("tolist", "item", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _real=real, _name=name: (reads.append(_name),
+                                                                                          _real(self, *a))[1])
+    sched.step()
+    monkeypatch.undo()
+    assert sched.running == 6 and all(len(r.tokens) == 3 for r in rows)     # joined, then two steps
+    assert reads == ["tolist"]
+
+
 @pytest.mark.parametrize("invariant", [False, True])
 def test_scheduler_cancel_frees_the_slot_and_errors_stay_local(invariant):
     model = tiny_gpt2(vocab_size=97, block_size=64)

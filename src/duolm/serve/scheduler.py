@@ -5,8 +5,9 @@ cache, exactly as `duolm.generation.generate` prefills one prompt; it draws its 
 copied into the batch, which decodes it with the others from the next step on. Each row keeps its
 own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by
 `next_token` from its own row of logits with its own generator: the draws are those of the row run
-alone. (A batched forward differs from a 1-row one only in float rounding, ~1e-6 in the logits; a
-batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves at once
+alone, and the ids of a step's rows come to the host together (one wait for the device a step). (A
+batched forward differs from a 1-row one only in float rounding, ~1e-6 in the logits; a batch of one
+row takes the very path `generate` takes.) A finished or cancelled row leaves at once
 and the last row moves into its slot, so the batch stays dense.
 
 Batch cache layout, B rows and L = cache.length columns: the rows are right-aligned. Row j's n_j
@@ -362,10 +363,28 @@ class Scheduler:
             out += logprob_info(self.model.head(h[i:j]), row.prompt[i + 1:j + 1], row.logprobs or 0)
         return out
 
+    @staticmethod
+    def _next_tokens(rows: list[Row], logits: torch.Tensor) -> list[int]:
+        """Each row's next token drawn from its row of logits (B, V) as next_token draws it for the row alone (its
+        penalties, settings and generator), read to the host in one transfer: one wait for the device a step, not one
+        a row. The greedy rows without penalties or bias take their argmax together (a row's argmax is its own)."""
+        plain = [j for j, r in enumerate(rows)
+                 if r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty or r.logit_bias)]
+        if len(plain) == len(rows):
+            return next_token(logits, 0).tolist()
+        ids = dict(zip(plain, next_token(logits[plain], 0))) if plain else {}
+        for j, r in enumerate(rows):
+            if j not in ids:
+                adjusted = penalized(logits[j:j + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
+                ids[j] = next_token(adjusted, r.temperature, r.top_k, r.top_p, r.generator)[0]
+        return torch.stack([ids[j] for j in range(len(rows))]).tolist()
+
     def _draw(self, row: Row, logits: torch.Tensor) -> bool:
-        """Draw the row's next token from logits (1, V); False when the row has finished."""
-        adjusted = penalized(logits, row.tokens, row.presence_penalty, row.frequency_penalty, row.logit_bias)
-        t = int(next_token(adjusted, row.temperature, row.top_k, row.top_p, row.generator)[0])
+        """Draw one row's next token from logits (1, V) and hand it over; False when the row has finished."""
+        return self._take(row, self._next_tokens([row], logits)[0], logits)
+
+    def _take(self, row: Row, t: int, logits: torch.Tensor) -> bool:
+        """Hand the row its drawn token t (drawn from logits (1, V)); False when the row has finished."""
         info = None if row.logprobs is None else logprob_info(logits, [t], row.logprobs)[0]
         row.tokens.append(t)
         row.times.append(time.perf_counter())
@@ -382,14 +401,13 @@ class Scheduler:
 
     def _decode(self) -> None:
         logits = self._step_alone() if self.batch_invariant else self._step_batch()
-        done = []
-        for j, row in enumerate(self._rows):
+        for row in self._rows:
             row.n += 1
             if row.cancelled:
                 self._finish(row, "cancelled")
-            if row.finished or not self._draw(row, logits[j:j + 1]):
-                done.append(j)
-        self._leave(done)
+        tokens = self._next_tokens(self._rows, logits)      # a cancelled row's token is drawn and dropped
+        self._leave([j for j, row in enumerate(self._rows)
+                     if row.finished or not self._take(row, tokens[j], logits[j:j + 1])])
 
     def _step_alone(self) -> torch.Tensor:
         """Logits (B, V) of the next token of every row, each row run alone in its own cache."""
