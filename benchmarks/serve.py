@@ -6,7 +6,9 @@ the library alone (generate() per request, no HTTP), and `transformers serve` on
 Every server is a process on 127.0.0.1 with --threads torch threads; the clients are threads of
 this process sending OpenAI /v1/completions requests (a WikiText-2 line as prompt, --new-tokens
 tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
-requests / wall time from the first request to the last answer. Each configuration runs --rounds
+requests / wall time from the first request to the last answer. Beside each duolm round: the share of the round its
+decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
+joining rows (from the server's GET /metrics). Each configuration runs --rounds
 times, the servers alternating (duolm, transformers, transformers CB, duolm, ...), and the best
 round is kept (on a shared 2-core machine one run can be far off).
 
@@ -127,6 +129,12 @@ def run_clients(url, model, prompts, new_tokens, n_clients):
     return tokens / (time.perf_counter() - t), tokens
 
 
+def loop_seconds(url) -> tuple[float, float]:
+    """A duolm server's decode loop so far (GET /metrics?format=json): (seconds it had work, of which prefilling)."""
+    m = httpx.get(url + "/metrics", params={"format": "json"}, timeout=60).raise_for_status().json()
+    return m["busy_s"], m["prefill_s"]
+
+
 def library_alone(model, tok, prompts, new_tokens):
     """generate() per request, one after another, in this process: the same work without HTTP."""
     t = time.perf_counter()
@@ -221,7 +229,7 @@ def run_all(args, model, tok, prompts, tmp, clients):
           f"{len(prompts)} requests of ~{sum(len(tok.encode(p)) for p in prompts) // len(prompts)} prompt tokens "
           f"+ {args.new_tokens} new tokens, greedy; best of {args.rounds} rounds")
 
-    best, alone = {}, 0.0
+    best, alone, loop = {}, 0.0, {}
     model.to(args.device)
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -240,9 +248,18 @@ def run_all(args, model, tok, prompts, tmp, clients):
             print(f"  library alone: {alone:.1f} tok/s", flush=True)
             for n in clients:
                 for name, (url, model_id) in urls.items():       # A B C A B C ...
+                    ours = name.startswith("duolm")
+                    before, t = loop_seconds(url) if ours else None, time.perf_counter()
                     rate, _ = run_clients(url, model_id, prompts, args.new_tokens, n)
+                    line = f"  {name}, {n} client(s): {rate:.1f} tok/s"
+                    if ours:        # where the server's time went: its decode loop busy or waiting, prefill or decode
+                        wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
+                        busy, prefill = busy - before[0], prefill - before[1]
+                        line += f"; decode loop busy {busy / wall:.0%} of the round, prefilling {prefill / busy:.0%} of that"
+                        if rate > best.get((name, n), 0.0):
+                            loop[name, n] = {"busy_share": busy / wall, "prefill_share": prefill / busy}
                     best[name, n] = max(best.get((name, n), 0.0), rate)
-                    print(f"  {name}, {n} client(s): {rate:.1f} tok/s", flush=True)
+                    print(line, flush=True)
 
     print(f"\nlibrary alone (generate() per request, no HTTP): {alone:.1f} tok/s")
     print(f"{'server':<42} " + " ".join(f"{f'{n} client' + ('s' if n > 1 else ''):>11}" for n in clients)
@@ -261,7 +278,9 @@ def run_all(args, model, tok, prompts, tmp, clients):
                 f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in clients))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "library_alone": alone, "servers": {
-            name: {str(n): best[name, n] for n in clients} for name in urls}}, indent=1) + "\n")
+            name: {str(n): best[name, n] for n in clients} for name in urls},
+            "decode_loop": {name: {str(n): loop[name, n] for n in clients} for name in urls if name.startswith("duolm")}},
+            indent=1) + "\n")
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 

@@ -885,7 +885,7 @@ def test_models_and_metrics(client):
     done = after["requests"]["/v1/completions"]
     assert done["200"] == was.get("200", 0) + 1 and done["400"] == was.get("400", 0) + 1
     assert after["tokens_generated"] == before["tokens_generated"] + r.json()["usage"]["completion_tokens"]
-    assert after["tokens_per_s"] > 0
+    assert after["tokens_per_s"] > 0 and after["busy_s"] > after["prefill_s"] > before["prefill_s"]
     lat = after["latency_s"]["/v1/completions"]
     assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"]
     assert after["in_flight"] == 0 and after["running"] == 0 and after["queue_depth"] == 0

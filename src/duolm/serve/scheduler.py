@@ -170,6 +170,7 @@ class Scheduler:
         self.prompt_tokens = self.tokens_generated = 0
         self.finish_reasons = collections.Counter()   # rows ended, by reason
         self.busy_s = 0.0                # time spent in step() with work to do
+        self.prefill_s = 0.0             # of which prefilling joining rows and scoring
         self._waiting = collections.deque()
         self._cond = threading.Condition()
         self._rows: list[Row] = []       # the batch, in slot order
@@ -199,6 +200,7 @@ class Scheduler:
         return {"running": self.running, "queue_depth": self.waiting, "prompt_tokens": self.prompt_tokens,
                 "tokens_generated": self.tokens_generated,
                 "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
+                "busy_s": self.busy_s, "prefill_s": self.prefill_s,
                 "compile_s": self._static.compile_s if self._static else 0.0,
                 "finish_reasons": dict(self.finish_reasons)}
 
@@ -255,11 +257,13 @@ class Scheduler:
         for group in padded_groups([len(r.prompt) for r in scoring], SCORE_TOKENS):
             rows = [scoring[i] for i in group]
             self._guard(rows, self._score, rows)
+        t1 = time.perf_counter()
         if self._rows:
             busy = True
             self._guard(self._rows, self._decode)
         if busy:
             self.busy_s += time.perf_counter() - t0
+            self.prefill_s += t1 - t0
         return busy
 
     def _finish(self, row: Row, reason: str) -> None:
