@@ -1,5 +1,5 @@
 """duolm on CUDA against duolm on the CPU: logits of both families, greedy decoding with the KV cache, the compiled
-static decode step replayed as a CUDA graph, bf16 autocast training against fp32, FSDP2 on one GPU, a run killed and
+static decode step and one-prompt prefill replayed as CUDA graphs, bf16 autocast training against fp32, FSDP2 on one GPU, a run killed and
 resumed, a torch.compile'd (fullgraph) model training, and the server answering concurrent requests (eager and
 compiled) as it answers them one by one.
 
@@ -100,6 +100,29 @@ def test_compiled_decode_step_on_cuda_equals_eager_and_cpu():
         assert draws[0] == draws[1]
     dec = decoder_of(model)
     assert dec.built == 2 and all(step.graph is not None for step in dec._steps.values())
+
+
+def test_compiled_prefill_on_cuda_equals_eager():
+    """A server's one-prompt prefill compiled and replayed as a CUDA graph (StaticDecoder.prefill, what `duolm serve
+    --compile` runs for each joining request): prompts of 1, 9 and 16 tokens (bucket 16) and of 20 (bucket 32) give
+    the eager forward's hidden states, keys and values within 1e-4; both buckets captured, each replay's outputs
+    those of its own prompt."""
+    from duolm.generation.static import StaticDecoder
+    from duolm.models import KVCache
+
+    torch.manual_seed(0)
+    model = sharpen(GPT2(GPT2Config(vocab_size=1000, block_size=128, n_layer=4, n_head=4, n_embd=128))).to(CUDA)
+    dec = StaticDecoder(model)
+    with torch.inference_mode():
+        for P in (1, 9, 16, 20):
+            prompt = list(range(3 * P, 4 * P))
+            h, k, v = dec.prefill(prompt)
+            cache = KVCache(model.config, 1, max_len=P, device=CUDA)
+            want = model.hidden(torch.tensor([prompt], device=CUDA), None, cache)
+            torch.testing.assert_close(h, want, rtol=0, atol=1e-4)
+            for a, b in zip(k + v, cache.k + cache.v):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-4)
+    assert dec.built == 2 and all(p.graph is not None for p in dec._prefills.values())
 
 
 def test_fsdp2_on_one_gpu_trains_as_the_plain_model():

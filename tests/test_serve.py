@@ -31,7 +31,8 @@ from duolm.convert.st import Pooling, read_pooling  # noqa: E402
 from duolm.models.heads import pool_states  # noqa: E402
 from duolm.serve.encoders import EncoderWorker  # noqa: E402
 from duolm.serve.metrics import Metrics  # noqa: E402
-from duolm.serve.scheduler import Row, Scheduler, Sink, logprob_info  # noqa: E402
+from duolm.serve.draws import logprob_info  # noqa: E402
+from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
 
 httpx = pytest.importorskip("httpx2")
 

@@ -8,8 +8,9 @@ import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
 from duolm.generation import generate
-from duolm.generation.static import _DECODERS, StaticDecoder, cache_length, decoder_of, step_function
-from duolm.models import GPT2, GPT2Config
+from duolm.generation.static import (_DECODERS, StaticDecoder, cache_length, decoder_of, prompt_length,
+                                    step_function)
+from duolm.models import GPT2, GPT2Config, KVCache
 
 
 def sharpen(model, scale=0.3, seed=0):
@@ -41,6 +42,33 @@ SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3)
 def test_cache_length_doubles_from_64_up_to_the_window():
     assert [cache_length(n, 1024) for n in (1, 64, 65, 160, 513, 1024)] == [64, 64, 128, 256, 1024, 1024]
     assert cache_length(100, 96) == 96
+
+
+def test_prompt_length_doubles_from_16_up_to_the_window():
+    assert [prompt_length(n, 1024) for n in (1, 16, 17, 100, 513, 1024)] == [16, 16, 32, 128, 1024, 1024]
+    assert prompt_length(50, 48) == 48
+
+
+def test_compiled_prefill_equals_the_eager_forward_one_graph_a_bucket():
+    """A server's prefill of one prompt (StaticDecoder.prefill): compiled at the bucketed length, right-padded; the
+    hidden states, keys and values of the prompt's positions are the eager forward's (a 1-row cache of its own) up to
+    the last bits; prompts of lengths 1, 5, 16 share bucket 16, 17 and 30 bucket 32: two builds, two graphs, and a
+    prompt of a built length compiles nothing."""
+    torch.manual_seed(0)
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=64)))
+    dec, before = StaticDecoder(model), counters["stats"]["unique_graphs"]
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for P in (1, 5, 16, 17, 30, 3):
+            prompt = torch.randint(0, 512, (P,), generator=g).tolist()
+            h, k, v = dec.prefill(prompt)
+            cache = KVCache(model.config, 1, max_len=P)
+            want = model.hidden(torch.tensor([prompt]), None, cache)
+            assert h.shape == want.shape and k[0].shape == cache.k[0].shape
+            torch.testing.assert_close(h, want, rtol=0, atol=1e-5)
+            for a, b in zip(k + v, cache.k + cache.v):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    assert dec.built == 2 and counters["stats"]["unique_graphs"] == before + 2
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2"])

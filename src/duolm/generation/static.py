@@ -10,8 +10,11 @@ tensors the step advances itself, so a step is one graph replay and no Python in
     one step:                          keys[:, at] = True; logits = model.step(ids, pos, keys, cache, at);
                                        pos += 1; at += 1
 
-The prefill stays eager (once per generation), writing into the same cache. A StaticDecoder keeps one compiled step
-per model and one captured graph per (batch, cache length) bucket, reused across generations.
+generate's prefill stays eager (once per generation), writing into the same cache. A StaticDecoder keeps one compiled
+step per model and one captured graph per (batch, cache length) bucket, reused across generations. It also prefills
+one prompt at a time at bucketed lengths (16, 32, ... up to block_size: the prompt right-padded, which causal
+attention keeps from its real positions), compiled and on CUDA replayed as a graph: what a server runs for every
+joining request (duolm.serve.scheduler), where an eager prefill would launch a forward's ~200 operations one by one.
 """
 from __future__ import annotations
 
@@ -36,6 +39,25 @@ def cache_length(needed: int, block_size: int) -> int:
     return min(n, block_size)
 
 
+MIN_PROMPT = 16         # the shortest bucketed prompt length
+
+
+def prompt_length(n: int, block_size: int) -> int:
+    """The bucketed length a prompt of n tokens is prefilled at: 16, 32, 64, ... up to block_size.
+    prompt_length(5, 1024) = 16; prompt_length(17, 1024) = 32; prompt_length(1000, 1024) = 1024."""
+    m = MIN_PROMPT
+    while m < n:
+        m *= 2
+    return min(m, block_size)
+
+
+def prefill(model, idx) -> tuple:
+    """A prompt's forward into a cache of its own: idx (B, T) -> (hidden states (B, T, C), each layer's keys,
+    each layer's values (B, n_head, T, head_dim))."""
+    cache = new_cache(model, idx.shape[0], idx.shape[1], *device_dtype(model))
+    return model.hidden(idx, None, cache), cache.k, cache.v
+
+
 def advance(model, cache, ids, pos, at, keys) -> torch.Tensor:
     """One static step: ids (B, 1) in at column `at`; returns fp32 logits (B, V) and advances pos, at."""
     keys.index_fill_(1, at, True)
@@ -45,18 +67,38 @@ def advance(model, cache, ids, pos, at, keys) -> torch.Tensor:
     return logits
 
 
-_STEPS: dict = {}       # print(model) -> advance under a code object of its own
+_OWN: dict = {}         # (function, print(model)) -> the function under a code object of its own
+
+
+def own_code(fn, model, *tags):
+    """fn (advance, prefill) with a code object of its own for each structure of model (print(model): its modules,
+    their shapes and kernels) and each of the `tags` given (a prompt length). Dynamo keeps at most 8 graphs a code
+    object (torch._dynamo.config.recompile_limit); one code object for every model would make the ninth model of
+    another shape in a process fail (fullgraph). Models of one structure share theirs, and their graphs."""
+    key = (fn.__name__, repr(model), *tags)
+    if key not in _OWN:
+        _OWN[key] = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+    return _OWN[key]
 
 
 def step_function(model):
-    """advance() with a code object of its own for each structure of model (print(model): its modules, their shapes
-    and kernels). Dynamo keeps at most 8 graphs a code object (torch._dynamo.config.recompile_limit); one code object
-    for every model would make the ninth model of another shape in a process fail (fullgraph). Models of one
-    structure share theirs, and their graphs."""
-    key = repr(model)
-    if key not in _STEPS:
-        _STEPS[key] = types.FunctionType(advance.__code__.replace(), advance.__globals__, "advance")
-    return _STEPS[key]
+    """advance() under a code object of its own for model's structure (own_code)."""
+    return own_code(advance, model)
+
+
+def _captured(call, run):
+    """PyTorch's CUDA graph recipe: call() three times on a side stream (warm-up), then run() recorded -> (the graph,
+    run()'s outputs, which each replay overwrites)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):   # other threads may use CUDA
+        out = run()
+    return graph, out
 
 
 class StaticStep:
@@ -99,15 +141,7 @@ class StaticStep:
         if self.ids.device.type != "cuda":
             call()
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):   # other threads may use CUDA
-            self.out = self._run()
+        self.graph, self.out = _captured(call, self._run)
 
     def prefill(self, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Run the (left-padded) prompts eagerly into the cache's first columns -> their last logits (B, V)."""
@@ -131,20 +165,57 @@ class StaticStep:
         return self.out
 
 
+class StaticPrefill:
+    """One bucketed prompt length of a one-row prefill: the prompt written into `idx` right-padded with id 0, run
+    through the compiled prefill() and, on CUDA, its captured graph; the outputs cut back to the prompt's length."""
+
+    def __init__(self, model, fn, length: int):
+        self._model = weakref.ref(model)
+        self._fn = fn
+        self.idx = torch.zeros(1, length, dtype=torch.long, device=device_dtype(model)[0])
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _run(self):
+        return self._fn(self._model(), self.idx)
+
+    def warm(self) -> None:
+        """Compile (a first call) and, on CUDA, capture."""
+        if self.idx.device.type != "cuda":
+            self._run()
+            return
+        self.graph, self.out = _captured(self._run, self._run)
+
+    def __call__(self, prompt: list) -> tuple:
+        """-> (hidden states (1, P, C), keys, values per layer (1, n_head, P, head_dim)) of the P ids of `prompt`, views
+        of buffers the next call of this length overwrites."""
+        P = len(prompt)
+        self.idx.zero_()
+        self.idx[0, :P] = torch.tensor(prompt, dtype=torch.long)
+        if self.graph is None:
+            h, k, v = self._run()
+        else:
+            self.graph.replay()
+            h, k, v = self.out
+        return h[:, :P], [t[:, :, :P] for t in k], [t[:, :, :P] for t in v]
+
+
 class StaticDecoder:
     """The static steps of one GPT-2: compiled once (torch.compile, fullgraph), one StaticStep per (batch, cache
-    length) bucket, kept across generations (the `max_steps` most recent). `compile_s` counts the seconds spent
-    building steps (compiling, warming up, capturing); `built` how many were built."""
+    length) bucket, kept across generations (the `max_steps` most recent), and one StaticPrefill per bucketed prompt
+    length. `compile_s` counts the seconds spent building them (compiling, warming up, capturing); `built` how many
+    were built."""
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
         self._fn = torch.compile(step_function(model), fullgraph=True) if compile else advance
+        self._compile = compile
+        self._prefills: dict = {}                   # bucketed prompt length -> StaticPrefill
         self._steps: OrderedDict = OrderedDict()
         self.max_steps = max_steps
         self.compile_s = 0.0
         self.built = 0
 
-    def _build(self, make) -> StaticStep:
+    def _build(self, make):
         t = time.perf_counter()
         with torch.inference_mode():
             step = make()
@@ -164,6 +235,18 @@ class StaticDecoder:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)
         return self._steps[key]
+
+    def prefill(self, prompt: list) -> tuple:
+        """One prompt (P ids, P <= block_size) prefilled at its bucketed length (prompt_length; built on first use, then
+        kept) -> (hidden states (1, P, C), keys, values per layer (1, n_head, P, head_dim)): views that the next prompt
+        of its bucket overwrites."""
+        model = self._model()
+        length = prompt_length(len(prompt), model.config.block_size)
+        if length not in self._prefills:        # a code object a length: its one graph, never dynamic shapes
+            fn = torch.compile(own_code(prefill, model, length), fullgraph=True, dynamic=False) if self._compile \
+                else prefill
+            self._prefills[length] = self._build(lambda: StaticPrefill(model, fn, length))
+        return self._prefills[length](prompt)
 
     def bind(self, cache, ids, pos, at, keys) -> StaticStep:
         """A step over the caller's buffers (a server's batch: views of its first rows); built, not kept."""

@@ -5,7 +5,7 @@ Choice i * n + j is the j-th sample for prompt i, drawn with seed `seed + i * n 
 when the request gives none), so one prompt with `seed` gives the text and the end that
 `duolm.generation.generate_text(model, tokenizer, prompt, max_tokens, ..., stop=stop, seed=seed)`
 gives. presence_penalty, frequency_penalty and logit_bias change the logits each draw is made from
-(scheduler.penalized); log-probabilities are those of the raw model (before penalties, temperature,
+(draws.penalized); log-probabilities are those of the raw model (before penalties, temperature,
 top-k and top-p).
 """
 from __future__ import annotations

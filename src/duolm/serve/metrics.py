@@ -30,7 +30,7 @@ STATS = {
     "finish_reasons": ("vllm:request_success", "counter",
                        "Sequences ended, by finished_reason (stop, length, cancelled, error)"),
     "compile_s": ("duolm:compile_seconds", "counter",
-                  "Seconds spent compiling and capturing static decode steps (--compile)"),
+                  "Seconds spent compiling and capturing static decode steps and prefills (--compile)"),
     "batches": ("duolm:encoder_batches", "counter", "Batches the BERT worker ran"),
     "items": ("duolm:encoder_items", "counter", "Inputs in those batches"),
     "in_flight": ("duolm:requests_in_flight", "gauge", "Requests admitted and not yet answered"),

@@ -29,7 +29,9 @@ then costs one forward per row instead of one for the batch.
 compile=True decodes the batch through duolm.generation.static's step (compiled once; a CUDA graph on GPUs) over
 the batch cache's first 1, 2, 4, ... max_batch rows: the step for the smallest bucket that holds the batch, built on
 first use and rebuilt when the cache grows (its length doubles, up to block_size). The rows beyond the batch are
-computed and ignored. The ids are the eager batch's up to the last bits of the logits.
+computed and ignored. A joining row is then prefilled through the decoder's compiled one-prompt prefill, at its
+bucketed length (16, 32, ...; a graph replay on GPUs, where an eager forward launches its operations one by one).
+The ids are the eager batch's up to the last bits of the logits.
 """
 from __future__ import annotations
 
@@ -42,9 +44,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duolm.generation import next_token
 from duolm.generation.static import decoder_of
 from duolm.models import KVCache
+from duolm.serve.draws import logprob_info, next_tokens
 
 log = logging.getLogger("duolm.serve")
 PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
@@ -111,41 +113,6 @@ def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
             groups.append([i])
             longest = n
     return groups
-
-
-def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
-    """logits (N, V) and the N tokens that followed -> per token (log p(token), [(id, log p) of the k
-    most likely ids, most likely first]), log p from the raw logits (before penalties, temperature and
-    filters). The token's log p and the alternatives' come from one log-softmax: a token that is the most
-    likely has exactly the first alternative's value.
-
-    >>> logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1], 1)
-    [(-1.3862943649291992, [(0, -0.6931471824645996)])]
-    """
-    lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-    if not k:
-        return [(c, []) for c in chosen]
-    top = lp.topk(min(k, lp.shape[-1]))
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
-
-
-def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequency: float = 0.0,
-              bias: dict | None = None) -> torch.Tensor:
-    """OpenAI's presence / frequency penalties and logit_bias on the logits (1, V) of a row's next draw:
-    each token t drawn so far (`tokens`) loses frequency * count(t) + presence * [count(t) > 0], and
-    token t gains bias[t]. Neutral values return `logits` itself.
-
-    >>> penalized(torch.zeros(1, 4), [2, 2, 0], presence=0.5, frequency=1.0, bias={3: 5.0}).tolist()
-    [[-1.5, 0.0, -2.5, 5.0]]
-    """
-    if tokens and (presence or frequency):
-        counts = torch.bincount(torch.tensor(tokens, device=logits.device), minlength=logits.shape[-1]).to(logits)
-        logits = logits - frequency * counts - presence * (counts > 0).to(logits)
-    if bias:
-        ids = torch.tensor(list(bias), device=logits.device)
-        logits = logits.index_add(1, ids, torch.tensor([list(bias.values())], dtype=logits.dtype, device=logits.device))
-    return logits
 
 
 class Scheduler:
@@ -306,10 +273,13 @@ class Scheduler:
             return
         cfg = self.model.config
         P = len(row.prompt)
-        room = min(cfg.block_size, P + max(row.max_tokens, 1) - 1) if self.batch_invariant else P
-        cache = KVCache(cfg, 1, max_len=room, device=self.device, dtype=self.dtype)
-        idx = torch.tensor([row.prompt], dtype=torch.long, device=self.device)
-        h = self.model.hidden(idx, None, cache)
+        if self._static is not None:          # compiled, at a bucketed length (on CUDA a graph replay)
+            h, keys, values = self._static.prefill(row.prompt)
+        else:
+            room = min(cfg.block_size, P + max(row.max_tokens, 1) - 1) if self.batch_invariant else P
+            cache = KVCache(cfg, 1, max_len=room, device=self.device, dtype=self.dtype)
+            h = self.model.hidden(torch.tensor([row.prompt], dtype=torch.long, device=self.device), None, cache)
+            keys, values = cache.k, cache.v
         self.prompt_tokens += P
         if row.prompt_logprobs:
             row.sink.prompt(self._prompt_logprobs(h[0], row))
@@ -328,7 +298,7 @@ class Scheduler:
         if P > self._L or self._cache is None:
             self._realign(max(P, self._L))
         j, L = len(self._rows), self._L
-        for buf, new in zip(self._cache.k + self._cache.v, cache.k + cache.v):
+        for buf, new in zip(self._cache.k + self._cache.v, keys + values):
             buf[j, :, L - P:L] = new[0, :, :P]
         self._mask[j] = 0
         self._mask[j, L - P:L] = 1
@@ -367,25 +337,9 @@ class Scheduler:
             out += logprob_info(self.model.head(h[i:j]), row.prompt[i + 1:j + 1], row.logprobs or 0)
         return out
 
-    @staticmethod
-    def _next_tokens(rows: list[Row], logits: torch.Tensor) -> list[int]:
-        """Each row's next token drawn from its row of logits (B, V) as next_token draws it for the row alone (its
-        penalties, settings and generator), read to the host in one transfer: one wait for the device a step, not one
-        a row. The greedy rows without penalties or bias take their argmax together (a row's argmax is its own)."""
-        plain = [j for j, r in enumerate(rows)
-                 if r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty or r.logit_bias)]
-        if len(plain) == len(rows):
-            return next_token(logits, 0).tolist()
-        ids = dict(zip(plain, next_token(logits[plain], 0))) if plain else {}
-        for j, r in enumerate(rows):
-            if j not in ids:
-                adjusted = penalized(logits[j:j + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
-                ids[j] = next_token(adjusted, r.temperature, r.top_k, r.top_p, r.generator)[0]
-        return torch.stack([ids[j] for j in range(len(rows))]).tolist()
-
     def _draw(self, row: Row, logits: torch.Tensor) -> bool:
         """Draw one row's next token from logits (1, V) and hand it over; False when the row has finished."""
-        return self._take(row, self._next_tokens([row], logits)[0], logits)
+        return self._take(row, next_tokens([row], logits)[0], logits)
 
     def _take(self, row: Row, t: int, logits: torch.Tensor) -> bool:
         """Hand the row its drawn token t (drawn from logits (1, V)); False when the row has finished."""
@@ -409,7 +363,7 @@ class Scheduler:
             row.n += 1
             if row.cancelled:
                 self._finish(row, "cancelled")
-        tokens = self._next_tokens(self._rows, logits)      # a cancelled row's token is drawn and dropped
+        tokens = next_tokens(self._rows, logits)      # a cancelled row's token is drawn and dropped
         self._leave([j for j, row in enumerate(self._rows)
                      if row.finished or not self._take(row, tokens[j], logits[j:j + 1])])
 
