@@ -28,27 +28,26 @@ import torch
 from duolm.generation.base import device_dtype, last_logits, new_cache
 
 MIN_CACHE = 64          # the shortest cache length; longer ones double up to block_size
-
-
-def cache_length(needed: int, block_size: int) -> int:
-    """The bucketed cache length for `needed` columns: 64, 128, 256, ... up to block_size.
-    cache_length(160, 1024) = 256; cache_length(40, 1024) = 64; cache_length(900, 1024) = 1024."""
-    n = MIN_CACHE
-    while n < needed:
-        n *= 2
-    return min(n, block_size)
-
-
 MIN_PROMPT = 16         # the shortest bucketed prompt length
 
 
-def prompt_length(n: int, block_size: int) -> int:
-    """The bucketed length a prompt of n tokens is prefilled at: 16, 32, 64, ... up to block_size.
-    prompt_length(5, 1024) = 16; prompt_length(17, 1024) = 32; prompt_length(1000, 1024) = 1024."""
-    m = MIN_PROMPT
+def bucket(n: int, smallest: int, block_size: int) -> int:
+    """The first of smallest, 2 smallest, 4 smallest, ... that holds n, at most block_size: the lengths a static shape
+    is built for. bucket(160, 64, 1024) = 256; bucket(40, 64, 1024) = 64; bucket(900, 64, 1024) = 1024."""
+    m = smallest
     while m < n:
         m *= 2
     return min(m, block_size)
+
+
+def cache_length(needed: int, block_size: int) -> int:
+    """The bucketed cache length for `needed` columns: 64, 128, 256, ... up to block_size."""
+    return bucket(needed, MIN_CACHE, block_size)
+
+
+def prompt_length(n: int, block_size: int) -> int:
+    """The bucketed length a prompt of n tokens is prefilled at: 16, 32, 64, ... up to block_size."""
+    return bucket(n, MIN_PROMPT, block_size)
 
 
 def prefill(model, idx) -> tuple:
