@@ -184,7 +184,7 @@ def step_profile(model, needed: int, steps: int = 20) -> dict:
     far below it: the gaps between them."""
     st = decoder_of(model).get(1, needed)
     nxt = torch.zeros(1, dtype=torch.long, device=CUDA)
-    with torch.inference_mode():                         # as generate runs it (the step's buffers are inference tensors)
+    with torch.inference_mode():             # as generate runs it (the step's buffers are inference tensors)
         st.prefill(torch.zeros(1, 32, dtype=torch.long, device=CUDA), None)
         st.step(nxt)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -256,10 +256,10 @@ def case_decode(args):
             print(f"  compiled {row['ratio']:.2f}x transformers (eager {row['eager_ratio']:.2f}x)"
                   + (f"; {row['share_of_bound']:.0%} of the bandwidth bound" if B == 1 else ""), flush=True)
             if B == 1:
-                print(f"  one compiled step, profiled: {prof['wall_us_per_step']:.0f} us; {prof['kernels_per_step']:.0f} "
-                      f"kernels, {prof['kernel_us_per_step']:.0f} us of them; the costliest (us a step, launches):\n"
-                      + "\n".join(f"    {k['us_per_step']:7.1f} {k['per_step']:4.0f}  {k['kernel']}" for k in prof["top"]),
-                      flush=True)
+                top = "\n".join(f"    {k['us_per_step']:7.1f} {k['per_step']:4.0f}  {k['kernel']}" for k in prof["top"])
+                print(f"  one compiled step, profiled: {prof['wall_us_per_step']:.0f} us; "
+                      f"{prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of them; the "
+                      f"costliest (us a step, launches):\n{top}", flush=True)
             out.append(row)
         torch.cuda.empty_cache()
     return out

@@ -255,7 +255,8 @@ def run_all(args, model, tok, prompts, tmp, clients):
                     if ours:        # where the server's time went: its decode loop busy or waiting, prefill or decode
                         wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
                         busy, prefill = busy - before[0], prefill - before[1]
-                        line += f"; decode loop busy {busy / wall:.0%} of the round, prefilling {prefill / busy:.0%} of that"
+                        line += (f"; decode loop busy {busy / wall:.0%} of the round, prefilling {prefill / busy:.0%} "
+                                 "of that")
                         if rate > best.get((name, n), 0.0):
                             loop[name, n] = {"busy_share": busy / wall, "prefill_share": prefill / busy}
                     best[name, n] = max(best.get((name, n), 0.0), rate)
@@ -279,7 +280,8 @@ def run_all(args, model, tok, prompts, tmp, clients):
     if args.json:
         Path(args.json).write_text(json.dumps({"device": args.device, "library_alone": alone, "servers": {
             name: {str(n): best[name, n] for n in clients} for name in urls},
-            "decode_loop": {name: {str(n): loop[name, n] for n in clients} for name in urls if name.startswith("duolm")}},
+            "decode_loop": {name: {str(n): loop[name, n] for n in clients}
+                            for name in urls if name.startswith("duolm")}},
             indent=1) + "\n")
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")

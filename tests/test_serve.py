@@ -318,7 +318,8 @@ def test_batch_invariant_rows_equal_generate_alone():
 
 def test_a_decode_step_reads_every_rows_token_in_one_transfer(monkeypatch):
     """The drawn ids of a step's rows, greedy and sampled, come to the host in one read (on a GPU each read waits for
-    the device), not one int() a row; the draws themselves are each row's own (test_scheduler_rows_equal_generate_alone)."""
+    the device), not one int() a row; the draws themselves are each row's own
+    (test_scheduler_rows_equal_generate_alone)."""
     model = tiny_gpt2(vocab_size=97, block_size=64)
     rows = [Row(prompt=[1 + i, 2, 3], max_tokens=20, temperature=t, seed=i)
             for i, t in enumerate([0.0, 0.0, 0.0, 1.0, 0.0, 0.7])]

@@ -45,8 +45,8 @@ def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequen
 
 def next_tokens(rows: list, logits: torch.Tensor) -> list[int]:
     """Each row's (scheduler.Row) next token drawn from its row of logits (B, V) as next_token draws it for the row
-    alone (its penalties, settings and generator), read to the host in one transfer: one wait for the device a step, not one
-    a row. The greedy rows without penalties or bias take their argmax together (a row's argmax is its own)."""
+    alone (its penalties, settings and generator), read to the host in one transfer: one wait for the device a step,
+    not one a row. The greedy rows without penalties or bias take their argmax together (a row's argmax is its own)."""
     plain = [j for j, r in enumerate(rows)
              if r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty or r.logit_bias)]
     if len(plain) == len(rows):
