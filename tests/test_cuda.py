@@ -1,9 +1,11 @@
 """duolm on CUDA against duolm on the CPU: logits of both families, greedy decoding with the KV cache, the compiled
 static decode step and one-prompt prefill replayed as CUDA graphs, bf16 autocast training against fp32, FSDP2 on one
 GPU, a run killed and resumed, a torch.compile'd (fullgraph) model training, and the server answering concurrent
-requests (eager and compiled) as it answers them one by one.  Every test here is marked `cuda`: where no CUDA device
-is present they are deselected and the run says so in its summary (conftest.py). `pytest -m cuda tests/test_cuda.py`
-runs them alone on a GPU machine."""
+requests (eager and compiled) as it answers them one by one.
+
+Every test here is marked `cuda`: where no CUDA device is present they are deselected and the run says so in its
+summary (conftest.py). `pytest -m cuda tests/test_cuda.py` runs them alone on a GPU machine.
+"""
 from __future__ import annotations
 
 import asyncio
