@@ -10,7 +10,8 @@ requests / wall time from the first request to the last answer. Beside each duol
 decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
 joining rows (from the server's GET /metrics). Each configuration runs --rounds
 times, the servers alternating (duolm, transformers, transformers CB, duolm, ...), and the best
-round is kept (on a shared 2-core machine one run can be far off).
+round is kept (on a shared 2-core machine one run can be far off); the library alone runs once, before them.
+The JSON file is written after every configuration, so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
     python benchmarks/serve.py --device cuda --clients 1,16,64 --max-concurrency 64 --requests 128   # on a GPU
@@ -129,6 +130,14 @@ def run_clients(url, model, prompts, new_tokens, n_clients):
     return tokens / (time.perf_counter() - t), tokens
 
 
+def by_server(figures: dict) -> dict:
+    """{(server, clients): x} -> {server: {str(clients): x}} (the JSON's shape)."""
+    out = {}
+    for (name, n), x in figures.items():
+        out.setdefault(name, {})[str(n)] = x
+    return out
+
+
 def loop_seconds(url) -> tuple[float, float]:
     """A duolm server's decode loop so far (GET /metrics?format=json): (seconds it had work, of which prefilling)."""
     m = httpx.get(url + "/metrics", params={"format": "json"}, timeout=60).raise_for_status().json()
@@ -230,6 +239,13 @@ def run_all(args, model, tok, prompts, tmp, clients):
           f"+ {args.new_tokens} new tokens, greedy; best of {args.rounds} rounds")
 
     best, alone, loop = {}, 0.0, {}
+
+    def save():             # after every configuration: a run stopped by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": args.device, "library_alone": alone,
+                                                   "servers": by_server(best), "decode_loop": by_server(loop)},
+                                                  indent=1) + "\n")
+
     model.to(args.device)
     with contextlib.ExitStack() as stack:
         urls = {}
@@ -243,9 +259,9 @@ def run_all(args, model, tok, prompts, tmp, clients):
                 print(f"{name}: not run ({str(e)[:300]})")
                 continue
             urls[name] = (url, model_id)
+        alone = library_alone(model, tok, prompts, args.new_tokens)[0]     # servers idle; once (on a GPU, eager,
+        print(f"  library alone: {alone:.1f} tok/s", flush=True)           # it takes a round's time)
         for _ in range(args.rounds):
-            alone = max(alone, library_alone(model, tok, prompts, args.new_tokens)[0])   # servers idle
-            print(f"  library alone: {alone:.1f} tok/s", flush=True)
             for n in clients:
                 for name, (url, model_id) in urls.items():       # A B C A B C ...
                     ours = name.startswith("duolm")
@@ -261,6 +277,7 @@ def run_all(args, model, tok, prompts, tmp, clients):
                             loop[name, n] = {"busy_share": busy / wall, "prefill_share": prefill / busy}
                     best[name, n] = max(best.get((name, n), 0.0), rate)
                     print(line, flush=True)
+                    save()
 
     print(f"\nlibrary alone (generate() per request, no HTTP): {alone:.1f} tok/s")
     print(f"{'server':<42} " + " ".join(f"{f'{n} client' + ('s' if n > 1 else ''):>11}" for n in clients)
@@ -277,12 +294,6 @@ def run_all(args, model, tok, prompts, tmp, clients):
         if name != "duolm serve":
             print(f"duolm serve vs {name}: " + ", ".join(
                 f"{n} client{'s' if n > 1 else ''} {best['duolm serve', n] / best[name, n]:.2f}x" for n in clients))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "library_alone": alone, "servers": {
-            name: {str(n): best[name, n] for n in clients} for name in urls},
-            "decode_loop": {name: {str(n): loop[name, n] for n in clients}
-                            for name in urls if name.startswith("duolm")}},
-            indent=1) + "\n")
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 
