@@ -198,7 +198,7 @@ def step_profile(model, needed: int, steps: int = 20) -> dict:
                     for e in kernels[:12]]}
 
 
-def case_decode(args):
+def case_decode(args, emit) -> None:
     """Greedy decoding of a GPT-2 (random weights; 124M unless --decode-model) at batch 1 and 64 (--decode-batches),
     fp32 (TF32 off) and bf16 (the weights cast): duolm eager,
     duolm compiled (generate(compile=True): the static step, a CUDA graph) and transformers.generate, interleaved.
@@ -206,7 +206,7 @@ def case_decode(args):
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = bandwidth_gbs()
     print(f"\n== memory bandwidth (device-to-device copy, read + written): {bw:,.0f} GB/s", flush=True)
-    new, out = args.new_tokens, []
+    new = args.new_tokens
     for dtype in args.decode_dtypes.split(","):
         torch.manual_seed(0)
         cfg = GPT2Config.preset(args.decode_model)
@@ -260,9 +260,8 @@ def case_decode(args):
                 print(f"  one compiled step, profiled: {prof['wall_us_per_step']:.0f} us; "
                       f"{prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of them; the "
                       f"costliest (us a step, launches):\n{top}", flush=True)
-            out.append(row)
+            emit(row)
         torch.cuda.empty_cache()
-    return out
 
 
 def main():
@@ -286,18 +285,22 @@ def main():
           f"bf16 matmul 8192^3: {peak:.0f} TFLOP/s", flush=True)
     results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
                "peak_tflops": peak, "cases": []}
+    def emit(row):          # each row written as it comes: a run stopped by its time limit keeps what it measured
+        results["cases"].append(row)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
     for case in args.cases.split(","):
         if case == "gpt2-train":
-            results["cases"].append(case_gpt2_train(args, peak))
+            emit(case_gpt2_train(args, peak))
         elif case == "bert-train":
-            results["cases"] += [case_bert_train(args, peak, T) for T in (128, 512)]
+            for T in (128, 512):
+                emit(case_bert_train(args, peak, T))
         elif case == "decode":
-            results["cases"] += case_decode(args)
+            case_decode(args, emit)
         else:
             raise SystemExit(f"unknown case {case!r}")
         torch.cuda.empty_cache()
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
