@@ -8,8 +8,8 @@ import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
 from duolm.generation import generate
-from duolm.generation.static import (_DECODERS, StaticDecoder, cache_length, decoder_of, prompt_length,
-                                    step_function)
+from duolm.generation.static import (_DECODERS, StaticDecoder, advance, cache_length, decoder_of, own_code,
+                                    prompt_length)
 from duolm.models import GPT2, GPT2Config, KVCache
 
 
@@ -125,8 +125,8 @@ def test_models_of_other_shapes_compile_steps_of_their_own():
     """Dynamo keeps a bounded number of graphs for each code object (8; 1 here): each structure of model has a step
     function of its own, so a process decodes models of any number of shapes; models of one shape share theirs."""
     a, b = (sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=n))) for n in (1, 2))
-    assert step_function(a) is step_function(sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=1))))
-    assert step_function(a).__code__ is not step_function(b).__code__
+    assert own_code(advance, a) is own_code(advance, sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=1))))
+    assert own_code(advance, a).__code__ is not own_code(advance, b).__code__
     with torch._dynamo.config.patch(recompile_limit=1):                  # test-only: dynamo's private setting
         for model in (a, b):
             assert ids(model, [[1, 2, 3]], 8, True, temperature=0) == ids(model, [[1, 2, 3]], 8, False, temperature=0)

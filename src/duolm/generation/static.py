@@ -80,11 +80,6 @@ def own_code(fn, model, *tags):
     return _OWN[key]
 
 
-def step_function(model):
-    """advance() under a code object of its own for model's structure (own_code)."""
-    return own_code(advance, model)
-
-
 def _captured(call, run):
     """PyTorch's CUDA graph recipe: call() three times on a side stream (warm-up), then run() recorded -> (the graph,
     run()'s outputs, which each replay overwrites)."""
@@ -206,7 +201,7 @@ class StaticDecoder:
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
-        self._fn = torch.compile(step_function(model), fullgraph=True) if compile else advance
+        self._fn = torch.compile(own_code(advance, model), fullgraph=True) if compile else advance
         self._compile = compile
         self._prefills: dict = {}                   # bucketed prompt length -> StaticPrefill
         self._steps: OrderedDict = OrderedDict()
