@@ -6,8 +6,9 @@
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel);
-  * in the batch-1 rounds, the matrix products of duolm's fp32 decoding alone (every weight once a token, one row,
-    nothing else): the rate duolm would reach if the rest (attention, norms, Python) cost nothing;
+  * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
+    batch's rows, nothing else): the rate duolm would reach if the rest (attention over the cache, norms, Python)
+    cost nothing;
   * duolm's fp32 weight layouts: GPT-2's matrices packed for oneDNN in the plain layout (rows hint 1) and the blocked
     one duolm.precision uses (rows hint 64), timed on 1, 8 and 128 rows.
 
@@ -56,7 +57,7 @@ from duolm.models.gpt2 import TiedLinear
 from duolm.precision import PackedLinear, _onednn, _pack, fp32_engine, machine, quantize
 
 PROMPT = 32
-PRODUCTS = "duolm fp32, products alone"       # batch 1: the matrix products of decoding without the rest
+PRODUCTS = "duolm fp32, products alone"       # the matrix products of decoding without the rest
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 
 
@@ -186,10 +187,12 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ids = {k: f() for k, f in engines.items()}          # also the warm-up
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
-    if batch == 1:                    # in the same rounds: what duolm's fp32 rate would be with nothing but products,
-        engines[PRODUCTS] = token_products(fp32, new)    # and the read bandwidth
+    # in the same rounds: what duolm's fp32 rate would be with nothing but products, and at batch 1 the bandwidth
+    engines[PRODUCTS] = token_products(fp32, new, batch)
+    if batch == 1:
         engines[READ] = torch.ones((1 << 30) // 4).sum
-        for k in (PRODUCTS, READ):
+    for k in (PRODUCTS, READ):
+        if k in engines:
             engines[k]()
     times = _rounds(engines, rounds)
     for worker in ct2.values():
@@ -229,16 +232,16 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     return times, diffs
 
 
-def token_products(model, tokens: int):
-    """A function that runs the matrix products of `tokens` batch-1 tokens and nothing else: every linear layer of
-    `model` (a GPT-2 swapped by duolm.precision.quantize: decoding's own path), the tied output layer included, on
-    one row each."""
+def token_products(model, steps: int, rows: int = 1):
+    """A function that runs the matrix products of `steps` decoding steps at batch `rows` and nothing else: every
+    linear layer of `model` (a GPT-2 swapped by duolm.precision.quantize: decoding's own path), the tied output layer
+    included, on `rows` rows each."""
     layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, TiedLinear, PackedLinear))]
-    xs = {m.weight.shape[1]: torch.randn(1, m.weight.shape[1]) for m in layers}
+    xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in layers}
 
     def run():
         with torch.inference_mode():
-            for _ in range(tokens):
+            for _ in range(steps):
                 for m in layers:
                     m(xs[m.weight.shape[1]])
     return run
@@ -305,11 +308,13 @@ def main():
             for k, v in tps.items():
                 kind = "int8" if "int8" in k else "fp32"
                 extra = f"  ({100 * v / bounds[kind]:.0f}% of the {kind} bound)" if batch == 1 else ""
-                ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else "every weight once a token"
+                ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else \
+                    f"every weight once a step, {batch} row{'s' * (batch > 1)}"
                 print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; {ids}{extra}")
             print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
                   f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm / transformers fp32 "
-                  f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x")
+                  f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (the products alone "
+                  f"{tps[PRODUCTS] / tps['transformers fp32']:.2f}x)")
         times, diffs = encoder_rows(folder, bert_hf, args.rounds, args.threads)
         out["encoder"] = {"seconds": times, "max_abs_diff_vs_duolm": diffs}
         print("\nBERT-base encoder, 32 x 128, fp32, median of", args.rounds, "rounds")
