@@ -12,9 +12,9 @@
   * duolm's fp32 weight layouts: GPT-2's matrices packed for oneDNN in the plain layout (rows hint 1) and the blocked
     one duolm.precision uses (rows hint 64), timed on 1, 8 and 128 rows.
 
-The process first calls duolm.malloc.keep_freed_memory(), as the `duolm` command does (--default-malloc: glibc's
-defaults); transformers, in the same process, runs under the same setting, CTranslate2 in its own process under
-glibc's defaults.
+The process first calls duolm.malloc.keep_freed_memory() and huge_pages(), as the `duolm` command does
+(--default-malloc: glibc's and torch's defaults); transformers, in the same process, runs under the same settings,
+CTranslate2 in its own process under glibc's defaults (its memory is its own allocator's, not torch's).
 
 The engines alternate within each round (A B C A B C ...) and each row reports the median of --rounds
 rounds, then the ratios in the same run. CTranslate2 runs in a process of its own (called in turn, its
@@ -52,7 +52,7 @@ import torch
 
 from duolm.checkpoint import load
 from duolm.generation import generate
-from duolm.malloc import keep_freed_memory
+from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
 from duolm.precision import PackedLinear, _onednn, _pack, fp32_engine, machine, quantize
 
@@ -280,15 +280,18 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc at its defaults")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc and torch's pages at their defaults")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
     kept = not args.default_malloc and keep_freed_memory()
+    huge = not args.default_malloc and huge_pages()
     torch.set_num_threads(args.threads)
     m = machine()
     print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32 engine: {fp32_engine()}; "
-          f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept (duolm.malloc): {kept}")
-    out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "decode": {}, "encoder": {}}
+          f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept, huge pages (duolm.malloc): "
+          f"{kept}, {huge}")
+    out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "huge_pages": huge, "decode": {},
+           "encoder": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         gpt_hf, bert_hf = save_models(folder)

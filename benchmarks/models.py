@@ -9,8 +9,8 @@ This machine's speed drifts (shared cores, up to 2x over tens of minutes), so on
 ratios mean anything: every round times one step of each side back to back, rotating which goes
 first, plus a matmul probe; we report medians over rounds. Threads: 2 (torch.set_num_threads).
 Prints the CPU, its bf16 support and the load average at the start. The process first calls
-duolm.malloc.keep_freed_memory(), as the `duolm` command does, and both sides run under it (--default-malloc:
-glibc's defaults for both).
+duolm.malloc.keep_freed_memory() and huge_pages(), as the `duolm` command does, and both sides run under them
+(--default-malloc: glibc's and torch's defaults for both).
 
 Sides, by --precision (each row names its precision):
   fp32  training: duolm fp32 (what `duolm pretrain` / `finetune` run: the models' CPU dropout, duolm.models.dropout),
@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 
 from duolm.convert import hf as conv
-from duolm.malloc import keep_freed_memory
+from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
 from duolm.precision import fp32_engine, machine, quantize
@@ -324,14 +324,16 @@ def main():
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--mlm", choices=("own", "all", "masked"), default="own", help="bert-train's MLM positions")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc at its defaults")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc and torch's pages at their defaults")
     args = ap.parse_args()
     kept = not args.default_malloc and keep_freed_memory()
+    huge = not args.default_malloc and huge_pages()
     torch.set_num_threads(args.threads)
     m = machine()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
           f"{m['native_bf16']}, {m['threads']} threads; fp32 engine {fp32_engine()}; precision {args.precision}; "
-          f"freed memory kept (duolm.malloc) {kept}; load average at start {os.getloadavg()[0]:.2f}", flush=True)
+          f"freed memory kept, huge pages (duolm.malloc) {kept}, {huge}; load average at start "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
     p, r = args.precision, args.rounds
     cases = {
         "gpt2-train": lambda: case_gpt2_train(p, r),

@@ -1,15 +1,15 @@
 """The `duolm` command. Each subcommand parses its arguments and wires library calls; printing happens
 here only. Options that configure a library call are the fields of its config dataclass (one set of
 defaults, help text from the fields: duolm.cli.options). The process keeps the memory it frees for its next
-tensors (duolm.malloc). Expected failures print one line naming the file or the argument; `--debug` shows the
-traceback."""
+tensors and backs large ones with huge pages (duolm.malloc). Expected failures print one line naming the file or
+the argument; `--debug` shows the traceback."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 from duolm.cli import models, tasks
-from duolm.malloc import keep_freed_memory
+from duolm.malloc import huge_pages, keep_freed_memory
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,6 +35,7 @@ def _message(e: Exception) -> str:
 def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()                  # before any tensor: every command moves large ones (duolm.malloc)
+    huge_pages()
     try:
         args.func(args)
     except (ValueError, OSError, ImportError) as e:   # expected: bad input, missing files, a full disk, an extra
