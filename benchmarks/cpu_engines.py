@@ -280,7 +280,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc and torch's pages at their defaults")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc and torch's pages at their defaults")
     ap.add_argument("--json", default=None, help="also write the numbers here")
     args = ap.parse_args()
     kept = not args.default_malloc and keep_freed_memory()

@@ -324,7 +324,8 @@ def main():
     ap.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--mlm", choices=("own", "all", "masked"), default="own", help="bert-train's MLM positions")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc and torch's pages at their defaults")
+    ap.add_argument("--default-malloc", action="store_true",
+                    help="leave glibc's malloc and torch's pages at their defaults")
     args = ap.parse_args()
     kept = not args.default_malloc and keep_freed_memory()
     huge = not args.default_malloc and huge_pages()

@@ -45,39 +45,38 @@ def test_freed_blocks_are_reused_instead_of_faulted_in_again():
     assert kept < PAGES // 20
 
 
-def test_the_duolm_command_keeps_freed_memory():
-    run_command = ("from duolm.cli import main\n"
-                   "try:\n    main(['generate', '/nonexistent-model', 'hi'])\n"
-                   "except SystemExit as e:\n    assert e.code == 2\n")
-    assert _second_round_faults(run_command) < PAGES // 20
-
-
-# KB of the process's anonymous memory on huge pages after a 64 MB tensor is allocated and written
-HUGE_KB = """
-import torch
-block = torch.ones(16 << 20)
-print(next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")))
-"""
+# the `duolm` command, failing at once on a missing model after it made its settings
 COMMAND = ("from duolm.cli import main\n"
            "try:\n    main(['generate', '/nonexistent-model', 'hi'])\n"
            "except SystemExit as e:\n    assert e.code == 2\n")
 
 
-def _huge_kb(setup: str) -> int:
+def test_the_duolm_command_keeps_freed_memory():
+    assert _second_round_faults(COMMAND) < PAGES // 20
+
+
+# the KB of the process's anonymous memory on huge pages once a 64 MB tensor is allocated and written
+HUGE_KB = """
+import torch
+block = torch.ones(16 << 20)
+print(next(int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages:")))
+"""
+
+
+def _huge_kb(setup: str) -> list[str]:
+    """What `setup` then HUGE_KB print, in a process without THP_MEM_ALLOC_ENABLE of its own."""
     out = subprocess.run([sys.executable, "-c", setup + HUGE_KB], capture_output=True, text=True, check=True,
                          env={k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"})
-    return int(out.stdout.split()[-1])
+    return out.stdout.split()
 
 
 def test_large_tensors_sit_on_huge_pages_and_the_duolm_command_puts_them_there():
+    said, asked = _huge_kb("from duolm.malloc import huge_pages\nprint(huge_pages())\n")[-2:]
+    by_command = int(_huge_kb(COMMAND)[-1])
     mode = THP_MODE.read_text()
-    asked = _huge_kb("from duolm.malloc import huge_pages\nprint(huge_pages())\n")
-    by_command = _huge_kb(COMMAND)
     if "[never]" in mode:                                # the kernel offers none: huge_pages() says so
-        out = subprocess.run([sys.executable, "-c", "from duolm.malloc import huge_pages\nprint(huge_pages())"],
-                             capture_output=True, text=True, check=True)
-        assert out.stdout.split() == ["False"] and asked == by_command == 0
+        assert said == "False" and int(asked) == by_command == 0
         return
-    assert asked >= 32 << 10 and by_command >= 32 << 10                    # at least half the block
+    assert said == "True" and int(asked) >= 32 << 10 and by_command >= 32 << 10          # at least half the block
     if "[madvise]" in mode:                              # only the blocks asked for get them
-        assert _huge_kb("") == 0
+        assert int(_huge_kb("")[-1]) == 0
