@@ -26,7 +26,8 @@ Batch-1 decoding is memory-bound: the bound printed beside it is the read bandwi
 of weights one token reads (every matrix once, the tied output layer included; int8 rows: a byte a weight, a
 quarter of that). The bandwidth is a streaming sum over 1 GiB timed in the batch-1 rounds beside the engines (the
 median of its rounds): a shared machine's memory speed drifts over a run, and a bound measured once at the start
-can be minutes away from the decoding it is compared with. Prints the CPU, its bf16 support and the load average.
+can be minutes away from the decoding it is compared with; its tensor sits on huge pages as the weights do (the
+machine's best streaming read). Prints the CPU, its bf16 support and the load average.
 
     python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--default-malloc] [--json out.json]
 """
