@@ -189,12 +189,12 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
     # in the same rounds: what duolm's fp32 rate would be with nothing but products, and at batch 1 the bandwidth
-    engines[PRODUCTS] = token_products(fp32, new, batch)
+    probes = {PRODUCTS: token_products(fp32, new, batch)}
     if batch == 1:
-        engines[READ] = torch.ones((1 << 30) // 4).sum
-    for k in (PRODUCTS, READ):
-        if k in engines:
-            engines[k]()
+        probes[READ] = torch.ones((1 << 30) // 4).sum
+    for f in probes.values():                           # their warm-up
+        f()
+    engines.update(probes)
     times = _rounds(engines, rounds)
     for worker in ct2.values():
         worker.close()
