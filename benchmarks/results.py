@@ -21,8 +21,8 @@ Run folders (checkpoints) go to --runs, never into results/; so do the files a t
 before fine-tuning beside the tuned ones (an embedding model has no new layer: it is scored as it is).
 
 The speed tables come from files too: results/speed-cpu.json (one row a figure of a benchmarks/*.py run, with its
-machine, date and load average) and results/gpu-h200.json (benchmarks/gpu.py's and benchmarks/serve.py's figures
-on an NVIDIA H200). README.md shows the HEADLINE rows, docs/benchmarks.md every row. A new measurement is a new
+machine, date and load average) and results/gpu-*.json (benchmarks/gpu.py's and benchmarks/serve.py's figures
+of one GPU lease, GPU_FILES). README.md shows the HEADLINE rows, docs/benchmarks.md every row. A new measurement is a new
 row (or a new GPU file) with its own machine and date; the tables are written, never edited.
 
     python benchmarks/results.py --resume                 # every task, then: --write
@@ -426,7 +426,8 @@ GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, 
                                     "python benchmarks/gpu.py --cases decode --decode-model gpt2-xl", p)
        for p in ("bf16", "fp32") for B in (1, 64)},
 }
-GPU_FILES = ("gpu-h200.json", "gpu-h100.json")     # oldest first: a key's newest row is the README's
+GPU_FILES = ("gpu-h200.json", "gpu-h100.json", "gpu-h100-2026-11-28.json",     # oldest first: a key's newest row
+             "gpu-h200-2026-11-28.json")                                      # is the README's
 
 
 def speed_rows(results: Path = RESULTS) -> list[dict]:
@@ -449,7 +450,9 @@ def gpu_rows(rec: dict) -> list[dict]:
                      "duolm": _figure(case, "duolm"), "reference": "transformers",
                      "reference_figure": _figure(case, "transformers"), "ratio": round(case["ratio"], 2),
                      "note": "; ".join(n for n in (bound, "the same ids" if same else None) if n) or None, **at})
-    serve = rec["serve"]
+    serve = rec.get("serve")
+    if serve is None:
+        return rows
     command = rec["runs"][serve["run"]]
     for clients, rate in serve.get("duolm_serve_compile_tokens_per_s", {}).items():
         rows.append({"key": f"gpu-serve-compile-{clients}", "command": command, "precision": "fp32",
