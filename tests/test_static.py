@@ -11,6 +11,7 @@ from duolm.generation import generate
 from duolm.generation.static import (_DECODERS, StaticDecoder, advance, cache_length, decoder_of, own_code,
                                     prompt_length)
 from duolm.models import GPT2, GPT2Config, KVCache
+from duolm.models.gpt2 import one_query_attention
 
 
 def sharpen(model, scale=0.3, seed=0):
@@ -69,6 +70,23 @@ def test_compiled_prefill_equals_the_eager_forward_one_graph_a_bucket():
             for a, b in zip(k + v, cache.k + cache.v):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert dec.built == 2 and counters["stats"]["unique_graphs"] == before + 2
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_one_query_attention_equals_sdpa(dtype, tol):
+    """The static step's attention, written out, against F.scaled_dot_product_attention on the same inputs: 3 rows
+    of 12 heads over 96 columns, each row masked differently (one sees a single column), fp32 and bf16 (SDPA's math
+    in fp32 on the CPU)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 12, n, 64, generator=g).to(dtype) for n in (1, 96, 96))
+    mask = torch.rand(3, 1, 1, 96, generator=g) < 0.6
+    mask[0] = False
+    mask[0, ..., 7] = True
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    got = one_query_attention(q, k, v, mask)
+    assert got.dtype == dtype and got.shape == (3, 12, 1, 64)
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(got[0].float(), v[0, :, 7:8].float())      # one column seen: its values
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2"])

@@ -151,6 +151,20 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------
 # Causal self-attention
 
+def one_query_attention(q, k, v, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd) under mask) v for one query a row, as products and sums in fp32: q (B, nh, 1, hd),
+    k and v (B, nh, L, hd), mask bool (B, 1, 1, L) -> (B, nh, 1, hd) in v's dtype. A static decode step's attention
+    (GPT2.step), which torch.compile fuses into three small reductions (the scores, the softmax, the weighted sum): a
+    fused attention kernel tiles many queries, and for one query over the cache it cost a compiled GPU step more
+    than its matrix products in fp32 (docs/benchmarks.md, the static step).
+
+    With hd = 2, one row, one head, L = 3 columns of which the last is masked, q = [2, 0], keys [1, 0], [0, 1], [5, 5]:
+    scores [2, 0] / sqrt(2) = [1.414, 0], softmax [0.804, 0.196], so values [1, 1], [3, 5], [9, 9] give
+    0.804 [1, 1] + 0.196 [3, 5] = [1.39, 1.78]."""
+    scores = (q.float() * k.float()).sum(-1) * q.shape[-1] ** -0.5                   # (B, nh, L)
+    weights = scores.masked_fill(~mask[:, :, 0], float("-inf")).softmax(-1)
+    return (weights[..., None] * v.float()).sum(-2, keepdim=True).to(v.dtype)
+
 class Attention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -173,14 +187,16 @@ class Attention(nn.Module):
         if kv is not None and isinstance(kv[2], torch.Tensor):   # a static step (GPT2.step)
             k_buf, v_buf, at = kv
             k, v = k_buf.index_copy_(2, at, k), v_buf.index_copy_(2, at, v)   # the whole cache; the mask hides the rest
-        elif kv is not None:
-            k_buf, v_buf, past = kv
-            k_buf[:, :, past:past + T] = k
-            v_buf[:, :, past:past + T] = v
-            k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
-        # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
-        # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
-        y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal=mask is None and T > 1)
+            y = one_query_attention(q, k, v, mask)
+        else:
+            if kv is not None:
+                k_buf, v_buf, past = kv
+                k_buf[:, :, past:past + T] = k
+                v_buf[:, :, past:past + T] = v
+                k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
+            # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
+            # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
+            y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal=mask is None and T > 1)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
