@@ -29,8 +29,9 @@ part() {   # part NAME SECONDS COMMAND...: run, bounded, its output to $OUT/NAME
 }
 part decode "${DECODE_S:-170}" python3 benchmarks/gpu.py --cases decode --rounds 3 --json "$OUT/decode.json"
 part cuda-tests "${TESTS_S:-200}" python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider
+# serve: one round, after serve.py's untimed warm-up (the compiled graphs built before it; a lent GPU is not shared)
 part serve "${SERVE_S:-220}" python3 benchmarks/serve.py --device cuda --clients 1,16,64 --max-concurrency 64 \
-    --requests 128 --new-tokens 64 --rounds 2 --no-transformers --compile --json "$OUT/serve.json"
+    --requests 128 --new-tokens 64 --rounds 1 --no-transformers --compile --json "$OUT/serve.json"
 part train "${TRAIN_S:-240}" python3 benchmarks/gpu.py --cases gpt2-train,bert-train --rounds 3 --json "$OUT/train.json"
 # the bound's share where a token's kernels outweigh their launches: GPT-2 1.5B's shapes, bf16, batch 1 (PARTS=decode-xl)
 part decode-xl "${DECODE_XL_S:-200}" python3 benchmarks/gpu.py --cases decode --decode-model gpt2-xl --decode-dtypes bf16 \

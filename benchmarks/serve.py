@@ -10,7 +10,10 @@ requests / wall time from the first request to the last answer. Beside each duol
 decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
 joining rows (from the server's GET /metrics). Each configuration runs --rounds
 times, the servers alternating (duolm, transformers, transformers CB, duolm, ...), and the best
-round is kept (on a shared 2-core machine one run can be far off); the library alone runs once, before them.
+round is kept (on a shared 2-core machine one run can be far off); the library alone runs once, before them. Before
+the rounds every server answers, untimed, as many concurrent requests as each client count once: what a server
+builds on the first request of a shape (with --compile, the static steps' graphs of the batch buckets and the
+prefills' of the prompt lengths, a compilation each) is then built.
 The JSON file is written after every configuration, so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
@@ -261,6 +264,12 @@ def run_all(args, model, tok, prompts, tmp, clients):
             urls[name] = (url, model_id)
         alone = library_alone(model, tok, prompts, args.new_tokens)[0]     # servers idle; once (on a GPU, eager,
         print(f"  library alone: {alone:.1f} tok/s", flush=True)           # it takes a round's time)
+        for name, (url, model_id) in urls.items():     # untimed: what a first request of each shape builds
+            t = time.perf_counter()
+            for n in clients:
+                run_clients(url, model_id, prompts[:n], args.new_tokens, n)
+            print(f"  {name}: warmed up in {time.perf_counter() - t:.1f} s ({', '.join(map(str, clients))} "
+                  "concurrent requests once)", flush=True)
         for _ in range(args.rounds):
             for n in clients:
                 for name, (url, model_id) in urls.items():       # A B C A B C ...
