@@ -11,9 +11,11 @@ Cases (tokens/s; every round times each side once, the order rotated each round;
               nanoGPT does; transformers' keeps 50,257). MFU = FLOPs/token x tokens/s over the bf16 matmul peak measured
               at the start (8192^3), FLOPs/token = 6 N (N: the matrix weights, the tied output layer included) +
               12 L T C (attention's scores and mixing, forward and backward, as PaLM's appendix counts them).
+              Then 3 steps of each side profiled: the kernels' time by kind (products, attention, optimizer,
+              compiled elementwise, other) and the costliest kernels, where MFU's shortfall goes.
   bert-train  BERT-base pretraining step (MLM + NSP, 15% masked, dropout 0.1) at 128 and 512 tokens per sequence,
               bf16 autocast, torch.compile, fused AdamW: each library's own pretraining loss (duolm's MLM_NSP
-              objective; transformers' BertForPreTraining(labels=, next_sentence_label=)).
+              objective; transformers' BertForPreTraining(labels=, next_sentence_label=)); profiled as gpt2-train.
   decode      GPT-2 124M (--decode-model: another size) greedy decoding, 32-token prompt, 128 new tokens, batch 1 and 64
               (--decode-batches), bf16 and fp32 weights (TF32 off): duolm eager, duolm compiled (generate(compile=True):
               the static step replayed as a CUDA graph) and transformers.generate; the ids compared; at batch 1 the
@@ -108,6 +110,15 @@ def report(name, rates, flops_per_token, peak, compile_s) -> dict:
     return out
 
 
+def with_profiles(row: dict, sides: dict, steps: int = 3) -> dict:
+    """row with a profile of `steps` steps of each side (profiled(): kernel time by kind), printed: where a step's
+    time goes, and where the two sides' steps differ."""
+    for name, fn in sides.items():
+        row[f"{name}_profile"] = prof = profiled(fn, steps)
+        print_profile(f"{name}'s step", prof)
+    return row
+
+
 def warm(sides: dict, n=3) -> dict:
     secs = {}
     for k, fn in sides.items():
@@ -137,7 +148,8 @@ def case_gpt2_train(args, peak):
     compile_s = warm(sides)
     N = sum(p.numel() for n, p in ours.named_parameters() if p.dim() == 2 and "wpe" not in n)
     flops = 6 * N + 12 * cfg.n_layer * T * cfg.n_embd
-    return report("gpt2-train", interleaved(sides, B * T, args.steps, args.rounds), flops, peak, compile_s)
+    return with_profiles(report("gpt2-train", interleaved(sides, B * T, args.steps, args.rounds), flops, peak,
+                                compile_s), sides)
 
 
 def case_bert_train(args, peak, T):
@@ -165,7 +177,8 @@ def case_bert_train(args, peak, T):
     print(f"\n== BERT-base pretraining step {B}x{T} (MLM + NSP, each library's own loss), bf16 autocast, compiled",
           flush=True)
     compile_s = warm(sides)
-    return report(f"bert-train-{T}", interleaved(sides, B * T, args.steps, args.rounds), 0, peak, compile_s)
+    return with_profiles(report(f"bert-train-{T}", interleaved(sides, B * T, args.steps, args.rounds), 0, peak,
+                                compile_s), sides)
 
 
 def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
@@ -177,25 +190,51 @@ def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
     return 2 * n_bytes * reps / sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / 1e9
 
 
+KINDS = (("products", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitk")), ("attention", ("flash", "fmha", "sdpa",
+         "attention")), ("optimizer", ("adam", "multi_tensor", "foreach")), ("compiled (triton)", ("triton_",)))
+
+
+def kernels(prof, steps: int, top: int = 12) -> dict:
+    """A torch.profiler run's CUDA kernels per step: their count, summed time, the time by kind (KINDS: a kernel's
+    name holding one of the words; the rest "other") and the costliest `top`."""
+    ks = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                key=lambda e: -e.device_time_total)
+    by_kind: dict = {}
+    for e in ks:
+        kind = next((k for k, words in KINDS if any(w in e.key.lower() for w in words)), "other")
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.device_time_total / steps
+    return {"kernels_per_step": sum(e.count for e in ks) / steps,
+            "kernel_us_per_step": sum(e.device_time_total for e in ks) / steps, "us_by_kind": by_kind,
+            "top": [{"kernel": e.key[:100], "us_per_step": e.device_time_total / steps, "per_step": e.count / steps}
+                    for e in ks[:top]]}
+
+
+def profiled(fn, steps: int) -> dict:
+    """torch.profiler over `steps` calls of fn -> the wall time a call (us) and kernels()."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        wall = sync_time(lambda: [fn() for _ in range(steps)]) / steps
+    return {"wall_us_per_step": 1e6 * wall, **kernels(prof, steps)}
+
+
+def print_profile(what: str, prof: dict) -> None:
+    kinds = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(prof["us_by_kind"].items(), key=lambda kv: -kv[1]))
+    top = "\n".join(f"    {k['us_per_step']:9,.1f} {k['per_step']:5.0f}  {k['kernel']}" for k in prof["top"])
+    print(f"  {what}, profiled: {prof['wall_us_per_step']:,.0f} us; {prof['kernels_per_step']:.0f} kernels, "
+          f"{prof['kernel_us_per_step']:,.0f} us of them ({kinds}); the costliest (us a step, launches):\n{top}",
+          flush=True)
+
+
 def step_profile(model, needed: int, steps: int = 20) -> dict:
     """Where a batch-1 compiled decode step's time goes: torch.profiler over `steps` replays of the static step's CUDA
-    graph (the bucket holding `needed` columns, built by the timed runs) -> the step's wall time, the kernels a step
-    and their summed time, the costliest kernels. Kernel time near the wall time: the kernels themselves decide;
-    far below it: the gaps between them."""
+    graph (the bucket holding `needed` columns, built by the timed runs) -> the step's wall time and kernels(). Kernel
+    time near the wall time: the kernels themselves decide; far below it: the gaps between them."""
     st = decoder_of(model).get(1, needed)
     nxt = torch.zeros(1, dtype=torch.long, device=CUDA)
     with torch.inference_mode():             # as generate runs it (the step's buffers are inference tensors)
         st.prefill(torch.zeros(1, 32, dtype=torch.long, device=CUDA), None)
         st.step(nxt)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            wall = sync_time(lambda: [st.step(nxt) for _ in range(steps)]) / steps
-    kernels = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
-                     key=lambda e: -e.device_time_total)
-    return {"wall_us_per_step": 1e6 * wall, "kernels_per_step": sum(e.count for e in kernels) / steps,
-            "kernel_us_per_step": sum(e.device_time_total for e in kernels) / steps,
-            "top": [{"kernel": e.key[:100], "us_per_step": e.device_time_total / steps, "per_step": e.count / steps}
-                    for e in kernels[:12]]}
+        return profiled(lambda: st.step(nxt), steps)
 
 
 def case_decode(args, emit) -> None:
@@ -256,10 +295,7 @@ def case_decode(args, emit) -> None:
             print(f"  compiled {row['ratio']:.2f}x transformers (eager {row['eager_ratio']:.2f}x)"
                   + (f"; {row['share_of_bound']:.0%} of the bandwidth bound" if B == 1 else ""), flush=True)
             if B == 1:
-                top = "\n".join(f"    {k['us_per_step']:7.1f} {k['per_step']:4.0f}  {k['kernel']}" for k in prof["top"])
-                print(f"  one compiled step, profiled: {prof['wall_us_per_step']:.0f} us; "
-                      f"{prof['kernels_per_step']:.0f} kernels, {prof['kernel_us_per_step']:.0f} us of them; the "
-                      f"costliest (us a step, launches):\n{top}", flush=True)
+                print_profile("one compiled step", prof)
             emit(row)
         torch.cuda.empty_cache()
 
