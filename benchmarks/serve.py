@@ -180,7 +180,7 @@ def main():
     ap.add_argument("--no-transformers", action="store_true", help="skip `transformers serve`")
     ap.add_argument("--batch-invariant", action="store_true", help="also `duolm serve --batch-invariant`")
     ap.add_argument("--compile", action="store_true", help="also `duolm serve --compile` (static decode steps; CUDA "
-                                                            "graphs on a GPU); its compile time is in its first round")
+                                                            "graphs on a GPU); it compiles in the untimed warm-up")
     ap.add_argument("--json", help="write the best rates here ({server: {clients: tokens/s}}, the library alone)")
     ap.add_argument("--scoring", type=int, default=0, metavar="N",
                     help="measure lm-eval-shaped scoring of N LAMBADA passages instead")
