@@ -165,6 +165,7 @@ def one_query_attention(q, k, v, mask) -> torch.Tensor:
     weights = scores.masked_fill(~mask[:, :, 0], float("-inf")).softmax(-1)
     return (weights[..., None] * v.float()).sum(-2, keepdim=True).to(v.dtype)
 
+
 class Attention(nn.Module):
     def __init__(self, config: GPT2Config):
         super().__init__()
