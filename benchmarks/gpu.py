@@ -190,8 +190,10 @@ def bandwidth_gbs(n_bytes=1 << 30, reps=20) -> float:
     return 2 * n_bytes * reps / sync_time(lambda: [b.copy_(a) for _ in range(reps)]) / 1e9
 
 
-KINDS = (("products", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitk")), ("attention", ("flash", "fmha", "sdpa",
-         "attention")), ("optimizer", ("adam", "multi_tensor", "foreach")), ("compiled (triton)", ("triton_",)))
+KINDS = (("products", ("gemm", "nvjet", "xmma", "cutlass", "gemv", "splitk")),     # a kernel's kind: the first whose
+         ("attention", ("flash", "fmha", "sdpa", "attention")),                  # words its name holds
+         ("optimizer", ("adam", "multi_tensor", "foreach")),
+         ("compiled (triton)", ("triton_",)))
 
 
 def kernels(prof, steps: int, top: int = 12) -> dict:
