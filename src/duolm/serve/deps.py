@@ -65,16 +65,16 @@ class Served:
         head = self.head
         return type(self.model).__name__ + (f", a fine-tuned {head.kind} head" if head else "")
 
-    # --- dependencies ------------------------------------------------------------------------------
+    # --- dependencies: coroutines, which FastAPI runs on the event loop (a plain function goes through a thread) --
 
     @staticmethod
-    def accepting(request: Request) -> None:
+    async def accepting(request: Request) -> None:
         """503 while the server drains: run() sets app.state.draining on SIGTERM."""
         if request.app.state.draining:
             raise APIError(503, "the server is shutting down", None, "shutting_down",
                            {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
 
-    def authorized(self, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    async def authorized(self, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         """401 unless the request sends `Authorization: Bearer KEY` (compared in constant time)."""
         if self.api_key is None:
             return
@@ -86,7 +86,7 @@ class Served:
     def model_route(self, ok: bool, what: str) -> dict:
         """The options of a route that puts the model to work and needs `what` of it (ok: the served
         model has it): a 400 naming the served model unless ok, then admission; in the docs if ok."""
-        def needs(request: Request) -> None:
+        async def needs(request: Request) -> None:
             if not ok:
                 raise APIError(400, f"{request.url.path} needs {what}; this server runs a "
                                     f"{self.family} model ({self.description})", "model", "model_family_mismatch")

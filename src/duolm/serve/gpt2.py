@@ -4,7 +4,10 @@ A client that leaves cancels its rows: they leave the batch at the next step."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import threading
+import weakref
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
@@ -53,16 +56,40 @@ def router(s: Served) -> APIRouter:
     return r
 
 
-def _threadsafe_put(queue: asyncio.Queue):
-    """put(event) for other threads: the event lands in `queue` on the running loop."""
-    loop = asyncio.get_running_loop()
+class _Mailbox:
+    """Events from the decode thread for queues of one event loop, handed over in bursts: one call_soon_threadsafe (a
+    write to the loop's wake-up pipe, and a callback) for whatever arrived since the loop last emptied the box, not one
+    an event (a decode step of 64 rows hands over 64). Each queue's events keep their order."""
 
-    def put(ev):
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self._loop, self._lock, self._box = loop, threading.Lock(), []
+
+    def put(self, queue: asyncio.Queue, ev) -> None:
+        with self._lock:
+            self._box.append((queue, ev))
+            if len(self._box) > 1:           # a delivery is on its way
+                return
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, ev)
-        except RuntimeError:      # the loop is closed: the server is gone
+            self._loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:                 # the loop is closed: the server is gone
             pass
-    return put
+
+    def _deliver(self) -> None:
+        with self._lock:
+            box, self._box = self._box, []
+        for queue, ev in box:
+            queue.put_nowait(ev)
+
+
+_MAILBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()     # event loop -> its _Mailbox
+
+
+def _threadsafe_put(queue: asyncio.Queue):
+    """put(event) for other threads: the event lands in `queue` on the running loop (through the loop's _Mailbox)."""
+    loop = asyncio.get_running_loop()
+    if loop not in _MAILBOXES:
+        _MAILBOXES[loop] = _Mailbox(loop)
+    return functools.partial(_MAILBOXES[loop].put, queue)
 
 
 async def _watch_disconnect(request: Request, queue: asyncio.Queue):

@@ -1,14 +1,14 @@
 """Continuous batching for GPT-2: one decode loop; sequences join and leave the running batch.
 
-Every running sequence is one row of a batch KV cache. A new row is prefilled alone, in a 1-row
-cache, exactly as `duolm.generation.generate` prefills one prompt; it draws its first token and is
-copied into the batch, which decodes it with the others from the next step on. Each row keeps its
-own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by
-`next_token` from its own row of logits with its own generator: the draws are those of the row run
-alone, and the ids of a step's rows come to the host together (one wait for the device a step). (A
-batched forward differs from a 1-row one only in float rounding, ~1e-6 in the logits; a batch of one
-row takes the very path `generate` takes.) A finished or cancelled row leaves at once
-and the last row moves into its slot, so the batch stays dense.
+Every running sequence is one row of a batch KV cache. The rows joining at a step are prefilled together,
+left-padded, in a cache of their own, as `duolm.generation.generate` prefills several prompts (each row's positions
+count its real tokens), copied into the batch, which decodes them with the others from the next step on, and
+their first tokens drawn together. Each row keeps its own length, sampling settings, stop rule and
+`torch.Generator`, and its token is drawn by `next_token` from its own row of logits with its own generator: the
+draws are those of the row run alone, and the ids of a step's rows come to the host together (one wait for the
+device a step). (A batched forward, of the prefill or of a step, differs from a 1-row one only in float rounding,
+~1e-6 in the logits; a batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves
+at once and the last row moves into its slot, so the batch stays dense.
 
 Batch cache layout, B rows and L = cache.length columns: the rows are right-aligned. Row j's n_j
 cached positions sit in columns [L - n_j, L); the columns before them are padding, masked out by the
@@ -21,15 +21,15 @@ cache: the waiting ones run as one right-padded forward (causal attention keeps 
 the padding after them), each drawing its one token from its last real position. Like any batched forward it
 rounds ~1e-6 away from the row alone.
 
-batch_invariant=True trades that sharing for bitwise reproducibility: each row keeps the 1-row cache of
-its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
+batch_invariant=True trades that sharing for bitwise reproducibility: each row is prefilled alone, keeps the 1-row
+cache of its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
 log-probabilities are the same bits whatever runs beside it, and in whatever order rows arrive. A step
 then costs one forward per row instead of one for the batch.
 
 compile=True decodes the batch through duolm.generation.static's step (compiled once; a CUDA graph on GPUs) over
 the batch cache's first 1, 2, 4, ... max_batch rows: the step for the smallest bucket that holds the batch, built on
 first use and rebuilt when the cache grows (its length doubles, up to block_size). The rows beyond the batch are
-computed and ignored. A joining row is then prefilled through the decoder's compiled one-prompt prefill, at its
+computed and ignored. Each joining row is then prefilled through the decoder's compiled one-prompt prefill, at its
 bucketed length (16, 32, ...; a graph replay on GPUs, where an eager forward launches its operations one by one).
 The ids are the eager batch's up to the last bits of the logits.
 """
@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from duolm.generation.base import left_pad
 from duolm.generation.static import decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
@@ -51,6 +52,7 @@ from duolm.serve.draws import logprob_info, next_tokens
 log = logging.getLogger("duolm.serve")
 PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
 SCORE_TOKENS = 4096   # padded positions of one batched scoring forward at most (one longer prompt goes alone)
+JOIN_TOKENS = 2048    # padded positions of one prefill of joining rows at most (its cache: ~150 MB for GPT-2 124M)
 
 
 class Sink:
@@ -141,6 +143,7 @@ class Scheduler:
         self._waiting = collections.deque()
         self._cond = threading.Condition()
         self._rows: list[Row] = []       # the batch, in slot order
+        self._taken: list[Row] = []      # the rows this step took from the queue
         self._cache: KVCache | None = None   # max_batch rows x cap columns
         self._mask: torch.Tensor | None = None
         self._L = 0
@@ -155,8 +158,9 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        """Rows in the batch that have not finished (a finished row leaves at the end of its step)."""
-        return sum(not r.finished for r in self._rows)
+        """Rows in the batch that have not finished (a finished row leaves at the end of its step), and those taken
+        from the queue by this step that have not yet joined it (being prefilled)."""
+        return sum(not r.finished for r in self._rows) + sum(not (r.finished or r.n) for r in self._taken)
 
     @property
     def waiting(self) -> int:
@@ -210,20 +214,25 @@ class Scheduler:
         busy = any(r.cancelled for r in self._rows)
         if busy:
             self._guard(list(self._rows), self._drop_cancelled)
-        scoring = []              # rows that draw at most one token: prefilled together below
-        while len(self._rows) + len(scoring) < self.max_batch:
+        taken = self._taken = []
+        while len(self._rows) + len(taken) < self.max_batch:
             with self._cond:
                 row = self._waiting.popleft() if self._waiting else None
             if row is None:
                 break
             busy = True
-            if row.max_tokens <= 1 and not self.batch_invariant:
-                scoring.append(row)
-            else:
-                self._guard([row], self._join, row)
-        for group in padded_groups([len(r.prompt) for r in scoring], SCORE_TOKENS):
-            rows = [scoring[i] for i in group]
-            self._guard(rows, self._score, rows)
+            taken.append(row)
+        scoring = [r for r in taken if r.max_tokens <= 1 and not self.batch_invariant]   # one token at most: no cache
+        joining = [r for r in taken if r not in scoring]
+        together = self._static is None and not self.batch_invariant      # eager: one forward a group of prompts
+        first: list = []          # (row, its last hidden state (1, C)) of the rows that joined or scored
+        for fn, todo, budget in ((self._join, joining, JOIN_TOKENS if together else 0),
+                                 (self._score, scoring, SCORE_TOKENS)):
+            for group in padded_groups([len(r.prompt) for r in todo], budget):
+                self._guard([todo[i] for i in group], fn, [todo[i] for i in group], first)
+        if first:
+            self._guard([r for r, _ in first], self._draw, first)
+        self._taken = []
         t1 = time.perf_counter()
         if self._rows:
             busy = True
@@ -263,31 +272,57 @@ class Scheduler:
 
     # --- one row: prefill, draw, finish ----------------------------------------------------------
 
-    def _join(self, row: Row) -> None:
-        if row.cancelled:
-            self._finish(row, "cancelled")
-            return
+    def _admit(self, row: Row) -> bool:
+        """Whether a waiting row needs a forward: a cancelled one, or one asking for nothing, ends here."""
+        if row.cancelled or (row.max_tokens == 0 and not row.prompt_logprobs):
+            self._finish(row, "cancelled" if row.cancelled else "length")
+            return False
         row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
-        if row.max_tokens == 0 and not row.prompt_logprobs:
-            self._finish(row, "length")
+        return True
+
+    def _join(self, rows: list[Row], first: list) -> None:
+        """Prefill joining rows and put them in the batch, each one's last hidden state appended to `first`. Eager,
+        in one forward, left-padded; compiled, one by one at bucketed lengths; batch_invariant, one alone in the cache
+        it keeps. A group whose forward fails runs again row by row: a row the model refuses fails alone."""
+        rows = [r for r in rows if self._admit(r)]
+        if not rows:
+            return
+        if self._static is not None:          # compiled, at a bucketed length (on CUDA a graph replay)
+            for row in rows:
+                h, keys, values = self._static.prefill(row.prompt)
+                self._enter(row, h[0], keys, values, first)
             return
         cfg = self.model.config
+        T = max(len(r.prompt) for r in rows)
+        room = min(cfg.block_size, T + max(rows[0].max_tokens, 1) - 1) if self.batch_invariant else T
+        cache = KVCache(cfg, len(rows), max_len=room, device=self.device, dtype=self.dtype)
+        try:
+            h = self.model.hidden(*left_pad([r.prompt for r in rows], self.device), cache)
+        except Exception:
+            if len(rows) == 1:
+                raise
+            log.exception("prefill of %d joining rows failed; each row again alone", len(rows))
+            for row in rows:
+                self._guard([row], self._join, [row], first)
+            return
+        for j, row in enumerate(rows):        # left-padded: row j's P columns are the last of the first T
+            cut = slice(T - len(row.prompt), T)
+            self._enter(row, h[j, cut], [k[j:j + 1, :, cut] for k in cache.k], [v[j:j + 1, :, cut] for v in cache.v],
+                        first, cache)
+
+    def _enter(self, row: Row, h: torch.Tensor, keys: list, values: list, first: list, cache=None) -> None:
+        """A prefilled row (its hidden states h (P, C), its keys and values per layer (1, n_head, P, head_dim)): its
+        prompt's log-probabilities handed over, then the row put into the batch (batch_invariant: `cache` is its
+        own) and its last hidden state appended to `first`."""
         P = len(row.prompt)
-        if self._static is not None:          # compiled, at a bucketed length (on CUDA a graph replay)
-            h, keys, values = self._static.prefill(row.prompt)
-        else:
-            room = min(cfg.block_size, P + max(row.max_tokens, 1) - 1) if self.batch_invariant else P
-            cache = KVCache(cfg, 1, max_len=room, device=self.device, dtype=self.dtype)
-            h = self.model.hidden(torch.tensor([row.prompt], dtype=torch.long, device=self.device), None, cache)
-            keys, values = cache.k, cache.v
         self.prompt_tokens += P
         if row.prompt_logprobs:
-            row.sink.prompt(self._prompt_logprobs(h[0], row))
+            row.sink.prompt(self._prompt_logprobs(h, row))
         if row.max_tokens == 0:
             self._finish(row, "length")
             return
-        if not self._draw(row, self.model.head(h[:, -1]).float()):
-            return
+        first.append((row, h[-1:].clone()))      # (compiled on CUDA, h is a graph's output: the next replay's)
+        row.n = P
         if self.batch_invariant:
             row.cache = cache
             self._rows.append(row)
@@ -299,18 +334,15 @@ class Scheduler:
             self._realign(max(P, self._L))
         j, L = len(self._rows), self._L
         for buf, new in zip(self._cache.k + self._cache.v, keys + values):
-            buf[j, :, L - P:L] = new[0, :, :P]
+            buf[j, :, L - P:L] = new[0]
         self._mask[j] = 0
         self._mask[j, L - P:L] = 1
-        row.n = P
         self._rows.append(row)
 
-    def _score(self, rows: list[Row]) -> None:
-        """Rows that draw at most one token: one forward over their prompts, right-padded, and no cache."""
-        for row in rows:
-            if row.cancelled or (row.max_tokens == 0 and not row.prompt_logprobs):
-                self._finish(row, "cancelled" if row.cancelled else "length")
-        rows = [r for r in rows if not r.finished]
+    def _score(self, rows: list[Row], first: list) -> None:
+        """Rows that draw at most one token: one forward over their prompts, right-padded, and no cache; the states
+        before each one's token appended to `first`."""
+        rows = [r for r in rows if self._admit(r)]
         if not rows:
             return
         idx = torch.zeros(len(rows), max(len(r.prompt) for r in rows), dtype=torch.long, device=self.device)
@@ -324,9 +356,8 @@ class Scheduler:
                 row.sink.prompt(self._prompt_logprobs(h[j, :P], row))
             if row.max_tokens == 0:
                 self._finish(row, "length")
-                continue
-            row.generator = torch.Generator(device=self.device).manual_seed(row.seed)
-            self._draw(row, self.model.head(h[j:j + 1, P - 1]).float())     # its only token: the row finishes
+            else:
+                first.append((row, h[j:j + 1, P - 1]))     # before its only token
 
     def _prompt_logprobs(self, h: torch.Tensor, row: Row) -> list:
         """None for the first prompt token, then logprob_info of each from the states h (P, C) before it; the
@@ -337,9 +368,16 @@ class Scheduler:
             out += logprob_info(self.model.head(h[i:j]), row.prompt[i + 1:j + 1], row.logprobs or 0)
         return out
 
-    def _draw(self, row: Row, logits: torch.Tensor) -> bool:
-        """Draw one row's next token from logits (1, V) and hand it over; False when the row has finished."""
-        return self._take(row, next_tokens([row], logits)[0], logits)
+    def _draw(self, first: list) -> None:
+        """The first token of each row that joined or scored, [(row, its last hidden state (1, C))]: the output layer
+        once for all (batch_invariant: once a row), the tokens drawn as next_tokens draws a step's (one read to the
+        host for all) and handed over; the rows that finish with it leave the batch."""
+        rows, hs = [r for r, _ in first], [h for _, h in first]
+        head = self.model.head
+        logits = (torch.cat([head(h) for h in hs]) if self.batch_invariant else head(torch.cat(hs))).float()
+        slots = {id(r): j for j, r in enumerate(self._rows)}
+        self._leave([slots[id(r)] for k, (r, t) in enumerate(zip(rows, next_tokens(rows, logits)))
+                     if not self._take(r, t, logits[k:k + 1]) and id(r) in slots])
 
     def _take(self, row: Row, t: int, logits: torch.Tensor) -> bool:
         """Hand the row its drawn token t (drawn from logits (1, V)); False when the row has finished."""
