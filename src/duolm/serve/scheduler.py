@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from duolm.generation.base import left_pad
+from duolm.generation.base import device_dtype, left_pad
 from duolm.generation.static import decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
@@ -132,9 +132,7 @@ class Scheduler:
         self.model = model
         self.max_batch = max_batch
         self.batch_invariant = batch_invariant
-        w = model.wte.weight
-        self.device = w.device
-        self.dtype = w.dtype
+        self.device, self.dtype = device_dtype(model)
         self.on_finish = on_finish       # on_finish(row, reason) when a row ends (the server's metrics)
         self.prompt_tokens = self.tokens_generated = 0
         self.finish_reasons = collections.Counter()   # rows ended, by reason
@@ -282,22 +280,25 @@ class Scheduler:
 
     def _join(self, rows: list[Row], first: list) -> None:
         """Prefill joining rows and put them in the batch, each one's last hidden state appended to `first`. Eager,
-        in one forward, left-padded; compiled, one by one at bucketed lengths; batch_invariant, one alone in the cache
-        it keeps. A group whose forward fails runs again row by row: a row the model refuses fails alone."""
+        in one forward, left-padded, its cache copied into the batch at once; compiled, one by one at bucketed
+        lengths; batch_invariant, one alone in the cache it keeps. A group whose forward fails runs again row by row:
+        a row the model refuses fails alone."""
         rows = [r for r in rows if self._admit(r)]
         if not rows:
             return
         if self._static is not None:          # compiled, at a bucketed length (on CUDA a graph replay)
             for row in rows:
                 h, keys, values = self._static.prefill(row.prompt)
-                self._enter(row, h[0], keys, values, first)
+                if self._prompted(row, h[0], first):
+                    self._insert([row], keys, values, None)
             return
         cfg = self.model.config
         T = max(len(r.prompt) for r in rows)
         room = min(cfg.block_size, T + max(rows[0].max_tokens, 1) - 1) if self.batch_invariant else T
         cache = KVCache(cfg, len(rows), max_len=room, device=self.device, dtype=self.dtype)
+        idx, real = left_pad([r.prompt for r in rows], self.device)
         try:
-            h = self.model.hidden(*left_pad([r.prompt for r in rows], self.device), cache)
+            h = self.model.hidden(idx, real, cache)
         except Exception:
             if len(rows) == 1:
                 raise
@@ -305,39 +306,43 @@ class Scheduler:
             for row in rows:
                 self._guard([row], self._join, [row], first)
             return
-        for j, row in enumerate(rows):        # left-padded: row j's P columns are the last of the first T
-            cut = slice(T - len(row.prompt), T)
-            self._enter(row, h[j, cut], [k[j:j + 1, :, cut] for k in cache.k], [v[j:j + 1, :, cut] for v in cache.v],
-                        first, cache)
+        kept = [j for j, row in enumerate(rows) if self._prompted(row, h[j, T - len(row.prompt):], first)]
+        if self.batch_invariant and kept:     # one row, alone in its cache
+            rows[0].cache, rows[0].n = cache, T
+            self._rows += rows
+        elif kept:
+            sel = slice(None) if len(kept) == len(rows) else kept
+            self._insert([rows[j] for j in kept], [k[sel] for k in cache.k], [v[sel] for v in cache.v],
+                         None if real is None else real.bool()[sel])
 
-    def _enter(self, row: Row, h: torch.Tensor, keys: list, values: list, first: list, cache=None) -> None:
-        """A prefilled row (its hidden states h (P, C), its keys and values per layer (1, n_head, P, head_dim)): its
-        prompt's log-probabilities handed over, then the row put into the batch (batch_invariant: `cache` is its
-        own) and its last hidden state appended to `first`."""
-        P = len(row.prompt)
-        self.prompt_tokens += P
+    def _prompted(self, row: Row, h: torch.Tensor, first: list) -> bool:
+        """A prefilled row (its hidden states h (P, C)): its prompt's log-probabilities handed over; False when that
+        was all it asked for (it ends), else its last hidden state appended to `first`."""
+        self.prompt_tokens += len(row.prompt)
         if row.prompt_logprobs:
             row.sink.prompt(self._prompt_logprobs(h, row))
         if row.max_tokens == 0:
             self._finish(row, "length")
-            return
+            return False
         first.append((row, h[-1:].clone()))      # (compiled on CUDA, h is a graph's output: the next replay's)
-        row.n = P
-        if self.batch_invariant:
-            row.cache = cache
-            self._rows.append(row)
-            return
-        # into the batch: right-aligned at column L (shift the block right if the prompt is longer)
+        return True
+
+    def _insert(self, rows: list[Row], keys: list, values: list, real: torch.Tensor | None) -> None:
+        """Rows into the batch after the last one: their keys and values per layer (J, n_head, T, head_dim) end at
+        column L (the block shifted right if T is longer); real (J, T) bool marks each row's own (None: all T)."""
+        J, T = len(rows), keys[0].shape[2]
         if not self._rows:
             self._L = 0
-        if P > self._L or self._cache is None:
-            self._realign(max(P, self._L))
+        if T > self._L or self._cache is None:
+            self._realign(max(T, self._L))
         j, L = len(self._rows), self._L
         for buf, new in zip(self._cache.k + self._cache.v, keys + values):
-            buf[j, :, L - P:L] = new[0]
-        self._mask[j] = 0
-        self._mask[j, L - P:L] = 1
-        self._rows.append(row)
+            buf[j:j + J, :, L - T:L] = new
+        self._mask[j:j + J] = False
+        self._mask[j:j + J, L - T:L] = True if real is None else real
+        for row in rows:
+            row.n = len(row.prompt)
+        self._rows.extend(rows)
 
     def _score(self, rows: list[Row], first: list) -> None:
         """Rows that draw at most one token: one forward over their prompts, right-padded, and no cache; the states
@@ -350,14 +355,7 @@ class Scheduler:
             idx[j, :len(row.prompt)] = torch.tensor(row.prompt)
         h = self.model.hidden(idx)
         for j, row in enumerate(rows):
-            P = len(row.prompt)
-            self.prompt_tokens += P
-            if row.prompt_logprobs:
-                row.sink.prompt(self._prompt_logprobs(h[j, :P], row))
-            if row.max_tokens == 0:
-                self._finish(row, "length")
-            else:
-                first.append((row, h[j:j + 1, P - 1]))     # before its only token
+            self._prompted(row, h[j, :len(row.prompt)], first)
 
     def _prompt_logprobs(self, h: torch.Tensor, row: Row) -> list:
         """None for the first prompt token, then logprob_info of each from the states h (P, C) before it; the
