@@ -5,6 +5,7 @@ load, SIGTERM) are in test_serve_e2e.py."""
 import asyncio
 import base64
 import contextlib
+import gc
 import json
 import random
 import sys
@@ -32,7 +33,7 @@ from duolm.models.heads import pool_states  # noqa: E402
 from duolm.serve.encoders import EncoderWorker  # noqa: E402
 from duolm.serve.metrics import Metrics  # noqa: E402
 from duolm.serve.draws import logprob_info  # noqa: E402
-from duolm.serve.gpt2 import _Mailbox  # noqa: E402
+from duolm.serve.gpt2 import _MAILBOXES, _Mailbox, _threadsafe_put  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
 
 httpx = pytest.importorskip("httpx2")
@@ -386,6 +387,16 @@ def test_mailbox_hands_events_over_in_bursts_and_in_order():
         return got, burst, len(wakeups), queues[0].get_nowait()
     got, burst, total, nxt = asyncio.run(run())
     assert got == [list(range(500))] * 4 and burst == 1 and total == 2 and nxt == "next"
+
+    async def through_put():     # the server's way in: a mailbox per loop, which goes with its loop
+        queue = asyncio.Queue()
+        _threadsafe_put(queue)("ev")
+        await asyncio.sleep(0)
+        return queue.get_nowait()
+    before = len(_MAILBOXES)
+    assert [asyncio.run(through_put()) for _ in range(3)] == ["ev"] * 3
+    gc.collect()
+    assert len(_MAILBOXES) == before
 
 
 def test_scheduler_thread_and_stop():

@@ -62,15 +62,18 @@ class _Mailbox:
     an event (a decode step of 64 rows hands over 64). Each queue's events keep their order."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self._loop, self._lock, self._box = loop, threading.Lock(), []
+        self._loop = weakref.ref(loop)       # (a strong one would keep the loop, _MAILBOXES' key, alive)
+        self._lock, self._box = threading.Lock(), []
 
     def put(self, queue: asyncio.Queue, ev) -> None:
         with self._lock:
             self._box.append((queue, ev))
             if len(self._box) > 1:           # a delivery is on its way
                 return
+        loop = self._loop()
         try:
-            self._loop.call_soon_threadsafe(self._deliver)
+            if loop is not None:
+                loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:                 # the loop is closed: the server is gone
             pass
 
