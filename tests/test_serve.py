@@ -33,6 +33,7 @@ from duolm.models.heads import pool_states  # noqa: E402
 from duolm.serve.encoders import EncoderWorker  # noqa: E402
 from duolm.serve.metrics import Metrics  # noqa: E402
 from duolm.serve.draws import logprob_info  # noqa: E402
+from duolm.serve import gpt2 as gpt2_routes  # noqa: E402
 from duolm.serve.gpt2 import _MAILBOXES, _Mailbox, _threadsafe_put  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
 
@@ -363,6 +364,22 @@ def test_scheduler_cancel_frees_the_slot_and_errors_stay_local(invariant):
         pass
     assert bad.sink.reasons == ["error"] and good.sink.reasons == ["length"] and len(good.tokens) == 3
     assert sched.step() is False
+
+
+def test_short_prompts_are_tokenized_on_the_event_loop(client, monkeypatch):
+    """A prompt of up to INLINE_CHARS characters is tokenized on the event loop; a longer one in a worker thread
+    (monkeypatched here to 10 characters): the same answer either way."""
+    hops = []
+
+    async def spy(fn, *args):
+        hops.append(fn)
+        return fn(*args)
+    monkeypatch.setattr(gpt2_routes, "run_in_threadpool", spy)
+    body = dict(prompt=["the a of", "to in and that"], max_tokens=5, temperature=0)
+    inline = client.post("/v1/completions", json=body).json()["choices"]
+    assert hops == []
+    monkeypatch.setattr(gpt2_routes, "INLINE_CHARS", 10)      # 8 + 14 characters: past it
+    assert client.post("/v1/completions", json=body).json()["choices"] == inline and len(hops) == 1
 
 
 def test_mailbox_hands_events_over_in_bursts_and_in_order():

@@ -19,6 +19,17 @@ from duolm.serve.deps import Served
 from duolm.serve.schemas import APIError, CompletionRequest
 
 
+# Prompts of up to this many characters are tokenized on the event loop (a fraction of a millisecond), longer ones in a
+# worker thread so that the loop goes on answering; a hop to a thread and back waits for the GIL twice, which the
+# decode thread holds most of the time while it runs.
+INLINE_CHARS = 4096
+
+
+def _characters(prompt) -> int:
+    """The characters a request's prompt has to tokenize: a text, texts, or token ids (none)."""
+    return len(prompt) if isinstance(prompt, str) else sum(len(p) for p in prompt if isinstance(p, str))
+
+
 def router(s: Served) -> APIRouter:
     """POST /v1/completions for a GPT2 served with a scheduler.Scheduler; a 400 for any other model."""
     r = APIRouter()
@@ -27,7 +38,8 @@ def router(s: Served) -> APIRouter:
     async def completions(body: CompletionRequest, request: Request):
         """OpenAI's completions: text for each prompt and choice, as generate_text gives it."""
         s.check_model(body.model)
-        prompts = await run_in_threadpool(encode_prompts, body, s.tokenizer, s.model.config)
+        encode = functools.partial(encode_prompts, body, s.tokenizer, s.model.config)
+        prompts = encode() if _characters(body.prompt) <= INLINE_CHARS else await run_in_threadpool(encode)
         queue: asyncio.Queue = asyncio.Queue()
         comp = Completion(body, prompts, s.tokenizer, s.name)
         rows = make_rows(body, prompts, s.tokenizer, _threadsafe_put(queue))
