@@ -416,6 +416,26 @@ def test_mailbox_hands_events_over_in_bursts_and_in_order():
     assert len(_MAILBOXES) == before
 
 
+def test_a_group_failing_after_its_prefill_ends_its_rows_and_hands_them_no_token():
+    model = tiny_gpt2(vocab_size=97, block_size=64)
+    sched = Scheduler(model, max_batch=4)
+    rows = [Row([1, 2, 3][:k], 5, temperature=0.0, sink=_Record()) for k in (1, 3)]
+    real = sched._insert
+
+    def fail(*a):
+        sched._insert = real
+        raise RuntimeError("the batch cache is gone")
+    sched._insert = fail
+    sched.submit(rows)
+    sched.step()
+    assert [(r.sink.reasons, r.sink.tokens) for r in rows] == [(["error"], [])] * 2 and sched.running == 0
+    again = Row([1, 2], 3, temperature=0.0, sink=_Record())     # the scheduler goes on
+    sched.submit([again])
+    while sched.step():
+        pass
+    assert again.sink.reasons == ["length"] and len(again.sink.tokens) == 3
+
+
 def test_scheduler_thread_and_stop():
     sched = Scheduler(tiny_gpt2(vocab_size=97, block_size=64), max_batch=4)
     sched.start()
