@@ -422,7 +422,8 @@ class Scheduler:
             view = self._rows_view(B)
             view.length = L
             idx = torch.tensor([[r.tokens[-1]] for r in self._rows], dtype=torch.long, device=self.device)
-            logits = self.model.head(self.model.hidden(idx, self._mask[:B, :L + 1], view)[:, -1]).float()
+            mask = None if all(r.n == L for r in self._rows) else self._mask[:B, :L + 1]    # None: no padding column
+            logits = self.model.head(self.model.hidden(idx, mask, view)[:, -1]).float()
         self._L = L + 1
         return logits
 
