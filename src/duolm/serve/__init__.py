@@ -8,6 +8,7 @@ FastAPI + uvicorn).
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import ipaddress
@@ -79,16 +80,25 @@ def run(model_dir, config: ServeConfig | None = None, **fields) -> None:
     from duolm.serve.app import create_app
     from duolm.serve.protocol import LimitedH11Protocol
 
-    model, tokenizer = load(model_dir, device=cfg.device)
-    if tokenizer is None:
-        raise ValueError(f"{model_dir}: no tokenizer files (vocab.json + merges.txt or vocab.txt); "
-                         "the server needs the model's tokenizer")
-    if cfg.model_name is None:
-        cfg.model_name = Path(model_dir).resolve().name
+    def prepare():
+        model, tokenizer = load(model_dir, device=cfg.device)
+        if tokenizer is None:
+            raise ValueError(f"{model_dir}: no tokenizer files (vocab.json + merges.txt or vocab.txt); "
+                             "the server needs the model's tokenizer")
+        if cfg.model_name is None:
+            cfg.model_name = Path(model_dir).resolve().name
+        return create_app(model, tokenizer, cfg, pooling=pooling_of(model, model_dir))
+
     warning = bind_warning(cfg.host, cfg.api_key)
     if warning:
         log.warning(warning)
-    app = create_app(model, tokenizer, cfg, pooling=pooling_of(model, model_dir))
+    # On the CPU torch runs its kernels on OpenMP thread teams, one for each thread that opens one. The model runs on
+    # the worker's thread (the decode loop's); a second team left alive, the one that loading and packing the model
+    # would open on this thread, makes more OpenMP threads than cores, and OpenMP then puts its threads to sleep after
+    # every parallel region and wakes them for the next: a small model's step took 3x its time. So the model is
+    # loaded and prepared on a thread that ends, and its team with it.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="duolm-load") as pool:
+        app = pool.submit(prepare).result()
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
