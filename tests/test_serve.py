@@ -495,9 +495,9 @@ def _invariance_bodies(tok):
 
 @pytest.mark.parametrize("invariant", [False, True])
 def test_16_concurrent_requests_against_each_alone(gpt2, invariant):
-    """16 requests (prompt lengths, settings, seeds differing) held until all are in the server, so that 15 of them
-    are prefilled together (left-padded) and all decode together, in two arrival orders, against each request
-    alone. With batch_invariant every number is bitwise the same. Without it a batched forward (the prefill, a
+    """16 requests (prompt lengths, settings, seeds differing) held until all are in the server, so that those behind
+    the first prefill are prefilled together (left-padded) and all decode together, in two arrival orders, against
+    each request alone. With batch_invariant every number is bitwise the same. Without it a batched forward (the prefill, a
     decoding step) rounds differently from a 1-row one: the difference measured on this model is 4.3e-6 at most
     (docs/serving.md), bounded here by 1e-5 for the prompt's log-probabilities and the generated ones; the tokens
     are the same."""

@@ -227,7 +227,8 @@ class Scheduler:
         for fn, todo, budget in ((self._join, joining, JOIN_TOKENS if together else 0),
                                  (self._score, scoring, SCORE_TOKENS)):
             for group in padded_groups([len(r.prompt) for r in todo], budget):
-                self._guard([todo[i] for i in group], fn, [todo[i] for i in group], first)
+                rows = [todo[i] for i in group]
+                self._guard(rows, fn, rows, first)
         first = [(r, h) for r, h in first if not r.finished]       # (a group that failed after its prefill: ended)
         if first:
             self._guard([r for r, _ in first], self._draw, first)
