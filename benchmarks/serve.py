@@ -3,8 +3,8 @@ clients on GPT-2 124M (random weights), against the same requests sent one by on
 the library alone (generate() per request, no HTTP), and `transformers serve` on the same weights
 (plain, and with --continuous-batching), when it runs here.
 
-Every server is a process on 127.0.0.1 with --threads torch threads; the clients are threads of
-this process sending OpenAI /v1/completions requests (a WikiText-2 line as prompt, --new-tokens
+Every server is a process on 127.0.0.1 with --threads torch threads; the clients are coroutines of
+this process (aiohttp, a kept-alive connection each) sending OpenAI /v1/completions requests (a WikiText-2 line as prompt, --new-tokens
 tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
 requests / wall time from the first request to the last answer. Beside each duolm round: the share of the round its
 decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
@@ -47,12 +47,13 @@ sent alone.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import collections
 import copy
 import concurrent.futures
 import contextlib
 import json
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -109,28 +110,31 @@ def process(cmd, url, log_path, env=None, timeout=300):
 
 
 def run_clients(url, model, prompts, new_tokens, n_clients):
-    """-> (aggregate tokens/s, completion tokens): every prompt sent once by n_clients threads."""
-    todo = queue.Queue()
-    for p in prompts:
-        todo.put(p)
+    """-> (aggregate tokens/s, completion tokens): every prompt sent once, by n_clients clients taking the next from a
+    shared list, each on a connection of its own kept alive, as coroutines of one asyncio loop (aiohttp, the client
+    vLLM's serving benchmark sends with). Threads of httpx clients cost far more: at 64 clients one such process spent
+    its whole core and the server waited for it."""
+    import aiohttp
 
-    def client():
+    todo = collections.deque(prompts)
+
+    async def client(session):
         done = 0
-        with httpx.Client(timeout=600) as c:
-            while True:
-                try:
-                    p = todo.get_nowait()
-                except queue.Empty:
-                    return done
-                r = c.post(url + "/v1/completions", json={"model": model, "prompt": p, "max_tokens": new_tokens,
-                                                           "temperature": 0})
+        while todo:
+            body = {"model": model, "prompt": todo.popleft(), "max_tokens": new_tokens, "temperature": 0}
+            async with session.post(url + "/v1/completions", json=body) as r:
                 r.raise_for_status()
-                done += r.json()["usage"]["completion_tokens"]
+                done += (await r.json())["usage"]["completion_tokens"]
+        return done
 
-    t = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(n_clients) as pool:
-        tokens = sum(pool.map(lambda _: client(), range(n_clients)))
-    return tokens / (time.perf_counter() - t), tokens
+    async def clients():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n_clients),
+                                         timeout=aiohttp.ClientTimeout(total=600)) as session:
+            t = time.perf_counter()
+            tokens = sum(await asyncio.gather(*(client(session) for _ in range(n_clients))))
+            return tokens / (time.perf_counter() - t), tokens
+
+    return asyncio.run(clients())
 
 
 def by_server(figures: dict) -> dict:
