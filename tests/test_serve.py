@@ -36,6 +36,8 @@ from duolm.serve.draws import logprob_info  # noqa: E402
 from duolm.serve import gpt2 as gpt2_routes  # noqa: E402
 from duolm.serve.gpt2 import _MAILBOXES, _Mailbox, _threadsafe_put  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
+from duolm.serve.completions import Choice, Completion  # noqa: E402
+from duolm.serve.schemas import CompletionRequest  # noqa: E402
 
 httpx = pytest.importorskip("httpx2")
 
@@ -414,6 +416,28 @@ def test_mailbox_hands_events_over_in_bursts_and_in_order():
     assert [asyncio.run(through_put()) for _ in range(3)] == ["ev"] * 3
     gc.collect()
     assert len(_MAILBOXES) == before
+
+
+def test_a_choice_not_streamed_hands_its_tokens_over_at_its_end(gpt2):
+    """A non-streamed choice puts one event for all its tokens, at its end, not one a token; the response built from it
+    is the one built from the token-by-token events (text split inside a character included, logprobs)."""
+    _, tok = gpt2
+    ids = tok.encode(" naïve ☃ text") + [tok.eot_id]
+    events = {}
+    for stream in (True, False):
+        events[stream] = []
+        choice = Choice(0, tok, [], events[stream].append, stream=stream)
+        assert [choice.token(t, (-0.5 * i, [(t, -0.5 * i)])) for i, t in enumerate(ids)] == [False] * (len(ids) - 1) + [True]
+        choice.done("stop")
+    assert [e[0] for e in events[False]] == ["tokens", "done"] and len(events[True]) == len(ids) + 1
+    bodies = []
+    for stream in (True, False):
+        comp = Completion(CompletionRequest(model="m", prompt=[1], max_tokens=len(ids), logprobs=1), [[1]], tok, "m")
+        for ev in events[stream]:
+            comp.apply(ev)
+        bodies.append({k: v for k, v in comp.body().items() if k not in ("id", "created")})
+    assert bodies[0] == bodies[1]
+    assert bodies[1]["choices"][0]["text"] == " naïve ☃ text" and bodies[1]["usage"]["completion_tokens"] == len(ids)
 
 
 def test_a_group_failing_after_its_prefill_ends_its_rows_and_hands_them_no_token():

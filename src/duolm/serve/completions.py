@@ -100,11 +100,14 @@ def check_fields(req: CompletionRequest, vocab_size: int) -> None:
 
 class Choice(Sink):
     """Turns one row's tokens into text and hands events to `put` (thread-safe) as tuples:
-    ("prompt", index, logprobs), ("token", index, text, token, logprob), ("done", index, text, reason)."""
+    ("prompt", index, logprobs), ("token", index, text, token, logprob), ("done", index, text, reason). A choice not
+    streamed (stream=False) holds its token events and hands them over at its end, as ("tokens", index, [events]) before
+    its "done": one event for the event loop to take a row instead of one a token."""
 
-    def __init__(self, index: int, tokenizer, stop, put):
+    def __init__(self, index: int, tokenizer, stop, put, stream: bool = True):
         self.index, self._tok, self._put = index, tokenizer, put
         self._text = TextStream(stop)
+        self._held = None if stream else []
 
     def prompt(self, logprobs):
         self._put(("prompt", self.index, logprobs))
@@ -112,10 +115,17 @@ class Choice(Sink):
     def token(self, token, logprobs):
         end = token == self._tok.eot_id
         text = self._text.finish() if end else self._text.feed(self._tok.decode_bytes([token]))
-        self._put(("token", self.index, text, token, logprobs))
+        ev = ("token", self.index, text, token, logprobs)
+        if self._held is None:
+            self._put(ev)
+        else:
+            self._held.append(ev)
         return end or self._text.stopped
 
     def done(self, reason):
+        if self._held:
+            self._put(("tokens", self.index, self._held))
+            self._held = []
         self._put(("done", self.index, self._text.finish(), reason))
 
 
@@ -134,7 +144,7 @@ def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                 prompt_logprobs=req.echo and req.logprobs is not None,
-                sink=Choice(k, tokenizer, stop, put)))
+                sink=Choice(k, tokenizer, stop, put, stream=bool(req.stream))))
     return rows
 
 
@@ -170,6 +180,10 @@ class Completion:
                 for t, info in zip(self.prompts[k], ev[2]):
                     lp.add(self.tok, t, info)
             return self._piece(k, text, lp.since() if lp else None)
+        if kind == "tokens":           # a choice not streamed: its token events at its end
+            for e in ev[2]:
+                self.apply(e)
+            return None
         if kind == "token":
             _, _, text, token, info = ev
             self.tokens[k].append(token)
