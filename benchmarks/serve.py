@@ -35,6 +35,14 @@ layer (768 x 50257) on every position, `duolm eval` on the target word's only.
 
     python benchmarks/serve.py --scoring 64 --threads 2
 
+With --device-ms MS it measures instead what the host costs a server whose device is fast (a GPU's), on any machine:
+`duolm serve` on a 1-layer, 8-wide GPT-2 (a 2,000-token BPE trained on WikiText-2) whose every forward ends with a
+sleep of MS ms, the GIL free meanwhile, as while a GPU runs a step (benchmarks/emulated_server.py); the server on the
+last CPU, the clients on the others. It prints the aggregate tokens/s beside the device's bound (a step of every
+running row each MS ms): what is missing is HTTP, the scheduler's work and the GIL the two threads share.
+
+    python benchmarks/serve.py --device-ms 1 --clients 1,16,64 --max-concurrency 64 --requests 128
+
 With --soak N it runs instead the longer version of tests/test_serve_soak.py (whose clients it uses, from
 tests/soak.py): N requests from 32 clients to a tiny GPT-2 and to a tiny BERT with a classify head, each served
 with --max-concurrency 8, mixed plain and streamed, ~20% left by their client at a random point, ~10%
@@ -54,6 +62,7 @@ import concurrent.futures
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,6 +201,9 @@ def main():
     ap.add_argument("--device", default="cpu", help="where the servers and the library run (cuda: a GPU)")
     ap.add_argument("--clients", default="1,4,16", help="the numbers of concurrent clients, comma-separated")
     ap.add_argument("--max-concurrency", type=int, default=16, help="duolm serve's --max-concurrency")
+    ap.add_argument("--device-ms", type=float, default=0.0, metavar="MS",
+                    help="measure instead what the host costs a server whose device is fast: a tiny GPT-2 whose every "
+                         "forward ends with a sleep of MS ms (benchmarks/emulated_server.py)")
     args = ap.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory(prefix="duolm-soak-") as tmp:
@@ -199,19 +211,23 @@ def main():
     torch.set_num_threads(args.threads)
     if not (DATA / "gpt2" / "encoder.json").is_file():
         sys.exit(f"{DATA} is absent: the benchmark needs GPT-2's vocabulary and WikiText-2 from it")
+    clients = tuple(int(n) for n in args.clients.split(","))
+    lines = [ln.strip() for ln in (DATA / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines()
+             if 80 < len(ln.strip()) < 200]
+    prompts = [" ".join(ln.split()[:20]) for ln in lines[:args.requests]]
+    if args.device_ms:
+        with tempfile.TemporaryDirectory(prefix="duolm-host-bench-") as tmp:
+            return run_host(args, lines, prompts, Path(tmp), clients)
     tok = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
     if args.scoring:
         torch.manual_seed(0)
         with tempfile.TemporaryDirectory(prefix="duolm-scoring-bench-") as tmp:
             return run_scoring(args, GPT2(GPT2Config.preset("gpt2")).eval(), tok, Path(tmp))
-    lines = [ln.strip() for ln in (DATA / "wikitext-2" / "test.txt").read_text(encoding="utf-8").splitlines()
-             if 80 < len(ln.strip()) < 200]
-    prompts = [" ".join(ln.split()[:20]) for ln in lines[:args.requests]]
     torch.manual_seed(0)
     model = GPT2(GPT2Config.preset("gpt2")).eval()
 
     with tempfile.TemporaryDirectory(prefix="duolm-serve-bench-") as tmp:
-        run_all(args, model, tok, prompts, Path(tmp), tuple(int(n) for n in args.clients.split(",")))
+        run_all(args, model, tok, prompts, Path(tmp), clients)
 
 
 def run_all(args, model, tok, prompts, tmp, clients):
@@ -310,6 +326,48 @@ def run_all(args, model, tok, prompts, tmp, clients):
     print(f"\nsampling (temperature > 0) adds one torch.multinomial over {tok.vocab_size} ids per row and "
           f"step: {multinomial_ms(tok.vocab_size):.2f} ms here")
 
+
+
+def run_host(args, lines, prompts, tmp, clients):
+    """--device-ms: `duolm serve` on a 1-layer, 8-wide GPT-2 with a 2,000-token BPE (trained on WikiText-2 here), each
+    forward followed by a sleep of args.device_ms (benchmarks/emulated_server.py): aggregate tokens/s against the
+    device's bound, a step of n rows each device_ms (what a server with no host cost would reach). The server runs on
+    the last CPU, the clients on the others (where there are two or more)."""
+    tok = duolm.ByteLevelBPE.train(lines[:2000], 2000)
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=1, n_embd=8)).eval()
+    duolm.save(model, tmp / "tiny", tok)
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["taskset", "-c", str(cpus[-1])] if len(cpus) > 1 and shutil.which("taskset") else []
+    if pin:
+        os.sched_setaffinity(0, cpus[:-1])
+    url = f"http://127.0.0.1:{free_port()}"
+    cmd = pin + [sys.executable, str(Path(__file__).with_name("emulated_server.py")), str(args.device_ms), "serve",
+                 str(tmp / "tiny"), "--port", url.rsplit(":", 1)[1], "--max-concurrency", str(args.max_concurrency),
+                 "--max-queue", str(max(64, len(prompts)))]
+    print(f"duolm serve, a device of {args.device_ms:g} ms a forward (emulated); {len(prompts)} requests of "
+          f"~{sum(len(tok.encode(p)) for p in prompts) // len(prompts)} prompt tokens + {args.new_tokens} new tokens, "
+          f"greedy; server {'on CPU ' + str(cpus[-1]) if pin else 'unpinned'}; best of {args.rounds} rounds")
+    best = {}
+    with process(cmd, url, tmp / "server.log", {"OMP_NUM_THREADS": "1"}):
+        for n in clients:                  # untimed: the first requests of each batch size
+            run_clients(url, "tiny", prompts[:n], args.new_tokens, n)
+        for _ in range(args.rounds):
+            for n in clients:
+                before, t = loop_seconds(url), time.perf_counter()
+                rate, _ = run_clients(url, "tiny", prompts, args.new_tokens, n)
+                wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
+                busy, prefill = busy - before[0], prefill - before[1]
+                print(f"  {n} client(s): {rate:.0f} tok/s; decode loop busy {busy / wall:.0%} of the round, "
+                      f"prefilling {prefill / busy:.0%} of that", flush=True)
+                best[n] = max(best.get(n, 0.0), rate)
+    bound = {n: min(n, args.max_concurrency) * 1e3 / args.device_ms for n in clients}
+    print("\nclients  tokens/s  the device's bound  share")
+    for n in clients:
+        print(f"{n:>7}  {best[n]:>8.0f}  {bound[n]:>18.0f}  {best[n] / bound[n]:>5.0%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device_ms": args.device_ms, "tokens_per_s": best,
+                                               "bound": bound}, indent=1) + "\n")
 
 
 def lm_eval_scores(url, model_id, seqs, n_clients=4):
