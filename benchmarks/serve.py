@@ -4,8 +4,8 @@ the library alone (generate() per request, no HTTP), and `transformers serve` on
 (plain, and with --continuous-batching), when it runs here.
 
 Every server is a process on 127.0.0.1 with --threads torch threads; the clients are coroutines of
-this process (aiohttp, a kept-alive connection each) sending OpenAI /v1/completions requests (a WikiText-2 line as prompt, --new-tokens
-tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
+this process (aiohttp, a kept-alive connection each) sending OpenAI /v1/completions requests (a
+WikiText-2 line as prompt, --new-tokens tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
 requests / wall time from the first request to the last answer. Beside each duolm round: the share of the round its
 decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
 joining rows (from the server's GET /metrics). Each configuration runs --rounds
