@@ -8,6 +8,7 @@ import contextlib
 import gc
 import json
 import random
+import re
 import sys
 import threading
 import time
@@ -622,6 +623,11 @@ def test_completions_stop_string_and_token_prompt(client, gpt2):
     c = r.json()["choices"][0]
     assert (c["text"], c["finish_reason"]) == want
     assert r.json()["usage"]["completion_tokens"] < 30       # generation ended at the stop string
+
+
+def test_completion_ids_are_openai_shaped_and_differ(client):
+    ids = [client.post("/v1/completions", json=dict(prompt="hi", max_tokens=1)).json()["id"] for _ in range(3)]
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == 3
 
 
 def test_completions_logprobs_and_echo(client, gpt2):

@@ -11,9 +11,8 @@ top-k and top-p).
 from __future__ import annotations
 
 import json
-import secrets
+import random
 import time
-import uuid
 
 from duolm.textgen import TextStream
 from duolm.serve.scheduler import Row, Sink
@@ -21,6 +20,9 @@ from duolm.serve.schemas import APIError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16
 MAX_ROWS = 128      # prompts x n in one request
+# The seeds of requests that give none and the responses' ids: drawn from a generator seeded once from the system's
+# randomness, not from it at each request (a system call, which gives the GIL away to the decode thread).
+_RANDOM = random.Random()
 
 
 def to_id_lists(value, field: str, encode, vocab_size: int) -> list:
@@ -135,7 +137,7 @@ def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
     for i, ids in enumerate(prompts):
         for j in range(req.n):
             k = i * req.n + j
-            seed = secrets.randbits(63) if req.seed is None else (req.seed + k) % 2 ** 63
+            seed = _RANDOM.getrandbits(63) if req.seed is None else (req.seed + k) % 2 ** 63
             rows.append(Row(
                 prompt=ids, seed=seed,
                 max_tokens=DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
@@ -154,7 +156,7 @@ class Completion:
 
     def __init__(self, req: CompletionRequest, prompts: list, tokenizer, model_name: str):
         self.req, self.tok, self.model = req, tokenizer, model_name
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.id = f"cmpl-{_RANDOM.getrandbits(128):032x}"
         self.created = int(time.time())
         self.prompt_tokens = sum(map(len, prompts))
         n = len(prompts) * req.n

@@ -10,7 +10,7 @@ import threading
 import weakref
 
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from duolm.models import GPT2
@@ -61,7 +61,7 @@ def router(s: Served) -> APIRouter:
                 if ev[0] == "done" and ev[3] == "error":
                     raise APIError(500, "generation failed; the server log has the details")
                 comp.apply(ev)
-            return comp.body()
+            return JSONResponse(comp.body())     # (already JSON's types: FastAPI's encoder not needed)
         finally:
             watch.cancel()
             cancel()
