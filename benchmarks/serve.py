@@ -3,17 +3,16 @@ clients on GPT-2 124M (random weights), against the same requests sent one by on
 the library alone (generate() per request, no HTTP), and `transformers serve` on the same weights
 (plain, and with --continuous-batching), when it runs here.
 
-Every server is a process on 127.0.0.1 with --threads torch threads; the clients are coroutines of
-this process (aiohttp, a kept-alive connection each) sending OpenAI /v1/completions requests (a
-WikiText-2 line as prompt, --new-tokens tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
+Every server is a process on 127.0.0.1 with --threads torch threads; the clients are coroutines of this process
+(aiohttp, a kept-alive connection each) sending OpenAI /v1/completions requests (a WikiText-2 line as prompt,
+--new-tokens tokens, greedy) from a shared list until it is empty. Aggregate tokens/s = completion tokens of all
 requests / wall time from the first request to the last answer. Beside each duolm round: the share of the round its
 decode loop had work (the rest it waited for requests: HTTP, the clients) and the share of that spent prefilling
-joining rows (from the server's GET /metrics). Each configuration runs --rounds
-times, the servers alternating (duolm, transformers, transformers CB, duolm, ...), and the best
-round is kept (on a shared 2-core machine one run can be far off); the library alone runs once, before them. Before
-the rounds every server answers, untimed, as many concurrent requests as each client count once: what a server
-builds on the first request of a shape (with --compile, the static steps' graphs of the batch buckets and the
-prefills' of the prompt lengths, a compilation each) is then built.
+joining rows (from the server's GET /metrics). Each configuration runs --rounds times, the servers alternating (duolm,
+transformers, transformers CB, duolm, ...), and the best round is kept (on a shared 2-core machine one run can be far
+off); the library alone runs once, before them. Before the rounds every server answers, untimed, as many concurrent
+requests as each client count once: what a server builds on the first request of a shape (with --compile, the static
+steps' graphs of the batch buckets and the prefills' of the prompt lengths, a compilation each) is then built.
 The JSON file is written after every configuration, so a run stopped by a time limit keeps what it measured.
 
     python benchmarks/serve.py [--requests 16] [--new-tokens 64] [--rounds 2] [--threads 2] [--no-transformers]
@@ -36,10 +35,11 @@ layer (768 x 50257) on every position, `duolm eval` on the target word's only.
     python benchmarks/serve.py --scoring 64 --threads 2
 
 With --device-ms MS it measures instead what the host costs a server whose device is fast (a GPU's), on any machine:
-`duolm serve` on a 1-layer, 8-wide GPT-2 (a 2,000-token BPE trained on WikiText-2) whose every forward ends with a
-sleep of MS ms, the GIL free meanwhile, as while a GPU runs a step (benchmarks/emulated_server.py); the server on the
-last CPU, the clients on the others. It prints the aggregate tokens/s beside the device's bound (a step of every
-running row each MS ms): what is missing is HTTP, the scheduler's work and the GIL the two threads share.
+`duolm serve` on a 1-layer, 8-wide GPT-2 (a 2,000-token BPE trained on WikiText-2) whose blocks' every forward is a
+sleep of MS ms, the GIL free meanwhile, as while a GPU runs a step (benchmarks/emulated_server.py), all else as it is;
+the server on the last CPU, the clients on the others. It prints the aggregate tokens/s beside the device's bound (a
+step of every running row each MS ms): what is missing is HTTP, the scheduler's work and the GIL the two threads
+share.
 
     python benchmarks/serve.py --device-ms 1 --clients 1,16,64 --max-concurrency 64 --requests 128
 
@@ -202,8 +202,8 @@ def main():
     ap.add_argument("--clients", default="1,4,16", help="the numbers of concurrent clients, comma-separated")
     ap.add_argument("--max-concurrency", type=int, default=16, help="duolm serve's --max-concurrency")
     ap.add_argument("--device-ms", type=float, default=0.0, metavar="MS",
-                    help="measure instead what the host costs a server whose device is fast: a tiny GPT-2 whose every "
-                         "forward ends with a sleep of MS ms (benchmarks/emulated_server.py)")
+                    help="measure instead what the host costs a server whose device is fast: a tiny GPT-2 whose "
+                         "blocks' forward is a sleep of MS ms (benchmarks/emulated_server.py)")
     args = ap.parse_args()
     if args.soak:
         with tempfile.TemporaryDirectory(prefix="duolm-soak-") as tmp:
@@ -329,8 +329,8 @@ def run_all(args, model, tok, prompts, tmp, clients):
 
 
 def run_host(args, lines, prompts, tmp, clients):
-    """--device-ms: `duolm serve` on a 1-layer, 8-wide GPT-2 with a 2,000-token BPE (trained on WikiText-2 here), each
-    forward followed by a sleep of args.device_ms (benchmarks/emulated_server.py): aggregate tokens/s against the
+    """--device-ms: `duolm serve` on a 1-layer, 8-wide GPT-2 with a 2,000-token BPE (trained on WikiText-2 here), its
+    blocks' forward a sleep of args.device_ms (benchmarks/emulated_server.py): aggregate tokens/s against the
     device's bound, a step of n rows each device_ms (what a server with no host cost would reach). The server runs on
     the last CPU, the clients on the others (where there are two or more)."""
     tok = duolm.ByteLevelBPE.train(lines[:2000], 2000)

@@ -428,7 +428,8 @@ def test_a_choice_not_streamed_hands_its_tokens_over_at_its_end(gpt2):
     for stream in (True, False):
         events[stream] = []
         choice = Choice(0, tok, [], events[stream].append, stream=stream)
-        assert [choice.token(t, (-0.5 * i, [(t, -0.5 * i)])) for i, t in enumerate(ids)] == [False] * (len(ids) - 1) + [True]
+        stops = [choice.token(t, (-0.5 * i, [(t, -0.5 * i)])) for i, t in enumerate(ids)]
+        assert stops == [False] * (len(ids) - 1) + [True]           # <|endoftext|> ends it
         choice.done("stop")
     assert [e[0] for e in events[False]] == ["tokens", "done"] and len(events[True]) == len(ids) + 1
     bodies = []
