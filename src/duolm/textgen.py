@@ -63,6 +63,9 @@ class TextStream:
 
     def _release(self, final: bool) -> str:
         text = self._hold
+        if not self._stops:
+            self._hold = ""
+            return text
         cut = min((i for i in (text.find(s) for s in self._stops) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True

@@ -377,11 +377,11 @@ class Scheduler:
         logits = (torch.cat([head(h) for h in hs]) if self.batch_invariant else head(torch.cat(hs))).float()
         slots = {id(r): j for j, r in enumerate(self._rows)}
         self._leave([slots[id(r)] for k, (r, t) in enumerate(zip(rows, next_tokens(rows, logits)))
-                     if not self._take(r, t, logits[k:k + 1]) and id(r) in slots])
+                     if not self._take(r, t, logits, k) and id(r) in slots])
 
-    def _take(self, row: Row, t: int, logits: torch.Tensor) -> bool:
-        """Hand the row its drawn token t (drawn from logits (1, V)); False when the row has finished."""
-        info = None if row.logprobs is None else logprob_info(logits, [t], row.logprobs)[0]
+    def _take(self, row: Row, t: int, logits: torch.Tensor, j: int) -> bool:
+        """Hand the row its drawn token t (drawn from row j of logits (B, V)); False when the row has finished."""
+        info = None if row.logprobs is None else logprob_info(logits[j:j + 1], [t], row.logprobs)[0]
         row.tokens.append(t)
         row.times.append(time.perf_counter())
         self.tokens_generated += 1
@@ -403,7 +403,7 @@ class Scheduler:
                 self._finish(row, "cancelled")
         tokens = next_tokens(self._rows, logits)      # a cancelled row's token is drawn and dropped
         self._leave([j for j, row in enumerate(self._rows)
-                     if row.finished or not self._take(row, tokens[j], logits[j:j + 1])])
+                     if row.finished or not self._take(row, tokens[j], logits, j)])
 
     def _step_alone(self) -> torch.Tensor:
         """Logits (B, V) of the next token of every row, each row run alone in its own cache."""
