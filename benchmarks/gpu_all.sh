@@ -18,8 +18,8 @@ fi
 if [ ! -d ../shared/data ] && [ -d .gpu-data ]; then mkdir -p ../shared && cp -r .gpu-data ../shared/data; fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-python3 -c "import aiohttp" 2>/dev/null || echo "aiohttp missing (benchmarks/serve.py's clients): the serve parts will fail"
-PARTS=",${PARTS:-decode,cuda-tests,serve,serve-host,train,decode-xl},"      # which parts run (PARTS=train: that one alone)
+python3 -c "import aiohttp" 2>/dev/null || echo "aiohttp (serve.py's clients) missing: the serve parts will fail"
+PARTS=",${PARTS:-decode,cuda-tests,serve,serve-host,train,decode-xl},"  # the parts to run (PARTS=train: that alone)
 part() {   # part NAME SECONDS COMMAND...: run, bounded, its output to $OUT/NAME.log
     local name=$1 limit=$2; shift 2
     [[ $PARTS == *",$name,"* ]] || return 0

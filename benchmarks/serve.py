@@ -160,6 +160,20 @@ def loop_seconds(url) -> tuple[float, float]:
     return m["busy_s"], m["prefill_s"]
 
 
+def duolm_round(url, model_id, prompts, new_tokens, n_clients) -> tuple[float, float, float]:
+    """run_clients against a duolm server -> (aggregate tokens/s, the share of the round its decode loop had work,
+    the share of that spent prefilling joining rows)."""
+    before, t = loop_seconds(url), time.perf_counter()
+    rate, _ = run_clients(url, model_id, prompts, new_tokens, n_clients)
+    wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
+    busy, prefill = busy - before[0], prefill - before[1]
+    return rate, busy / wall, prefill / busy
+
+
+def shares(busy: float, prefill: float) -> str:
+    return f"decode loop busy {busy:.0%} of the round, prefilling {prefill:.0%} of that"
+
+
 def library_alone(model, tok, prompts, new_tokens):
     """generate() per request, one after another, in this process: the same work without HTTP."""
     t = time.perf_counter()
@@ -293,19 +307,15 @@ def run_all(args, model, tok, prompts, tmp, clients):
         for _ in range(args.rounds):
             for n in clients:
                 for name, (url, model_id) in urls.items():       # A B C A B C ...
-                    ours = name.startswith("duolm")
-                    before, t = loop_seconds(url) if ours else None, time.perf_counter()
-                    rate, _ = run_clients(url, model_id, prompts, args.new_tokens, n)
-                    line = f"  {name}, {n} client(s): {rate:.1f} tok/s"
-                    if ours:        # where the server's time went: its decode loop busy or waiting, prefill or decode
-                        wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
-                        busy, prefill = busy - before[0], prefill - before[1]
-                        line += (f"; decode loop busy {busy / wall:.0%} of the round, prefilling {prefill / busy:.0%} "
-                                 "of that")
+                    if name.startswith("duolm"):       # where its time went: decode loop busy or waiting
+                        rate, busy, prefill = duolm_round(url, model_id, prompts, args.new_tokens, n)
+                        print(f"  {name}, {n} client(s): {rate:.1f} tok/s; {shares(busy, prefill)}", flush=True)
                         if rate > best.get((name, n), 0.0):
-                            loop[name, n] = {"busy_share": busy / wall, "prefill_share": prefill / busy}
+                            loop[name, n] = {"busy_share": busy, "prefill_share": prefill}
+                    else:
+                        rate, _ = run_clients(url, model_id, prompts, args.new_tokens, n)
+                        print(f"  {name}, {n} client(s): {rate:.1f} tok/s", flush=True)
                     best[name, n] = max(best.get((name, n), 0.0), rate)
-                    print(line, flush=True)
                     save()
 
     print(f"\nlibrary alone (generate() per request, no HTTP): {alone:.1f} tok/s")
@@ -354,12 +364,8 @@ def run_host(args, lines, prompts, tmp, clients):
             run_clients(url, "tiny", prompts[:n], args.new_tokens, n)
         for _ in range(args.rounds):
             for n in clients:
-                before, t = loop_seconds(url), time.perf_counter()
-                rate, _ = run_clients(url, "tiny", prompts, args.new_tokens, n)
-                wall, (busy, prefill) = time.perf_counter() - t, loop_seconds(url)
-                busy, prefill = busy - before[0], prefill - before[1]
-                print(f"  {n} client(s): {rate:.0f} tok/s; decode loop busy {busy / wall:.0%} of the round, "
-                      f"prefilling {prefill / busy:.0%} of that", flush=True)
+                rate, busy, prefill = duolm_round(url, "tiny", prompts, args.new_tokens, n)
+                print(f"  {n} client(s): {rate:.0f} tok/s; {shares(busy, prefill)}", flush=True)
                 best[n] = max(best.get(n, 0.0), rate)
     bound = {n: min(n, args.max_concurrency) * 1e3 / args.device_ms for n in clients}
     print("\nclients  tokens/s  the device's bound  share")
