@@ -8,6 +8,8 @@ batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   transformers fp32       GPT2LMHeadModel.generate
   duolm quantize(int8)    int8 / bf16 linears (`duolm generate --precision int8 / bf16`): narrow
   duolm quantize(bf16)    weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
+  duolm bf16 on F.linear  where the CPU computes bf16 natively, the bf16 rows' products through F.linear (which
+                          reorders the weight every call) instead of oneDNN's weight packed once: the same ids
 Every round runs every row once, the order rotated each round; each row reports the median of
 --rounds rounds. Ratios: the fp32 rows over transformers fp32; the int8 / bf16 rows over duolm
 quantize(fp32). Batch-1 decoding is memory-bound: every token reads all weights once, so the bound
@@ -26,6 +28,7 @@ import argparse
 import copy
 import functools
 import os
+import re
 import statistics
 import sys
 import time
@@ -40,7 +43,7 @@ import torch
 from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
 from duolm.models import GPT2, GPT2Config
-from duolm.precision import fp32_engine, machine, quantize
+from duolm.precision import BF16Linear, fp32_engine, machine, quantize
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WIDTH = {"fp32": 4, "bf16": 2, "int8": 1}           # bytes per matrix weight
@@ -138,6 +141,12 @@ def main():
 
     models = {"duolm plain fp32": ours, **{f"duolm quantize({p})": quantize(copy.deepcopy(ours), p)
                                            for p in ("fp32", "int8", "bf16")}}
+    unpacked = quantize(copy.deepcopy(ours), "bf16")
+    if any(m.packed is not None for m in unpacked.modules() if isinstance(m, BF16Linear)):
+        for m in unpacked.modules():
+            if isinstance(m, BF16Linear):
+                m.packed = None                      # what BF16Linear runs on CPUs without native bf16
+        models["duolm bf16 on F.linear"] = unpacked
     bw = bandwidth_gbs()
     results = {}
     for B in (1, 8):
@@ -150,13 +159,16 @@ def main():
         results[B] = {k: B * N / t for k, t in times.items()}
         same = ids["duolm plain fp32"] == ids["duolm quantize(fp32)"] == ids["transformers fp32"]
         print(f"\nbatch {B}: the fp32 rows give the same ids: {same}", flush=True)
+        if "duolm bf16 on F.linear" in ids:
+            print(f"batch {B}: the bf16 rows give the same ids: "
+                  f"{ids['duolm quantize(bf16)'] == ids['duolm bf16 on F.linear']}", flush=True)
     bw = max(bw, bandwidth_gbs())            # measured before and after the runs; the better one
     print(f"\nread bandwidth (1 GiB sum) {bw:.1f} GB/s; batch-1 bound = bandwidth / bytes per token "
           f"(mean context {P + N // 2})")
     print(f"{'row':<24} {'precision':>9} {'b1 tok/s':>9} {'b1 ratio':>9} {'b1 % bound':>10} {'b8 tok/s':>9} "
           f"{'b8 ratio':>9}   ratio against")
     for k in results[1]:
-        precision = k.split("(")[-1].rstrip(")") if "(" in k else "fp32"
+        precision = re.search("fp32|bf16|int8", k).group()
         base = "duolm quantize(fp32)" if precision in ("int8", "bf16") else "transformers fp32"
         bound = bw * 1e9 / bytes_per_token(ours, P + N // 2, WIDTH[precision])
         r1, r8 = (results[B][k] / results[B][base] for B in (1, 8))

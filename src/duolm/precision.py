@@ -14,7 +14,8 @@ swaps the linears, in place, for modules that say what they run:
     MKL, at every size on other vendors' CPUs (MKL's slower paths there) and from 4 to 32 rows on Intel's (decoding
     several sequences), where F.linear keeps up to 3 rows and longer inputs (fp32_rows()). Elsewhere F.linear as it
     is. benchmarks/cpu_engines.py times both.
-  * "bf16": BF16Linear, a bf16 copy of the weight; the input cast to bf16, the output back to fp32.
+  * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
+    input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
     each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
     kernel takes one scale and zero point for the whole input, so each row is first mapped onto [0, 1] by its own
@@ -288,21 +289,32 @@ class PackedLinear(nn.Module):
 
 
 class BF16Linear(nn.Module):
-    """y = float(bf16(x) bf16(W)^T) + b: the product in bf16 (fp32 sums, F.linear, which on x86 CPUs runs oneDNN:
-    hence onednn_rows) on a bf16 copy of W, made once; input and output fp32."""
+    """y = float(bf16(x) bf16(W)^T) + b: the product in bf16 (fp32 sums) on a bf16 copy of W, made once; input and
+    output fp32. On CPUs that compute bf16 natively (native_bf16) the copy is also packed once into oneDNN's layout
+    and run there (F.linear reorders the whole weight at every call: benchmarks/generation.py times both);
+    elsewhere, under autograd and under torch.compile, F.linear, which on x86 runs oneDNN too: hence onednn_rows
+    either way."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight.detach().to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        on_onednn = weight.device.type == "cpu" and native_bf16("cpu") and fp32_engine() == "onednn"
+        self.register_buffer("packed", _pack(self.weight) if on_onednn else None)
 
     def forward(self, x):
-        y = _on_rows(lambda v: F.linear(v, self.weight), x.to(torch.bfloat16)).float()
+        x = x.to(torch.bfloat16)
+        if self.packed is None or (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+            y = _on_rows(lambda v: F.linear(v, self.weight), x)
+        else:
+            y = _onednn(x, self.packed, None)
+        y = y.float()
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self):
+        kernel = "onednn bf16 packed" if self.packed is not None else "F.linear bf16"
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
-               f"bias={self.bias is not None}, weight=bf16"
+               f"bias={self.bias is not None}, weight=bf16, kernel={kernel}"
 
 
 # The int8 kernel as an operator torch.compile calls without looking inside (torch.library.custom_op): dynamo cannot
