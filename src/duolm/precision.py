@@ -228,10 +228,14 @@ def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
 _REDUCE_RANGE = "avx512_vnni" not in (_cpuinfo("flags") or "").split()
 
 
+_TINY = torch.finfo(torch.float32).tiny
+
+
 def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T + bias for f(v) = v @ W.T + bias (bias None: none), computed as (f(u) - bias) * span + lo * row_sums
-    + bias with u = (x - lo) / span, lo and span the min and max - min of each row of x (span 1 for a constant row)
-    and row_sums = W.sum(1): every row enters f on [0, 1]. A single row goes in as it is.
+    + bias with u = (x - lo) / span, lo and span the min and max - min of each row of x, and row_sums = W.sum(1):
+    every row enters f on [0, 1] (a constant row as zeros, its term (f(0) - bias) * span = 0). A single row goes in
+    as it is.
 
     >>> W, b = torch.tensor([[1.0, 2.0], [0.0, -1.0]]), torch.tensor([1.0, 0.0])
     >>> row_affine(lambda v: v @ W.T + b, W.sum(1), torch.tensor([[3.0, 5.0], [2.0, 2.0]]), b).tolist()
@@ -240,10 +244,11 @@ def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     if x.numel() == x.shape[-1]:
         return f(x)
     lo, hi = x.aminmax(dim=-1, keepdim=True)
-    span = torch.where(hi > lo, hi - lo, 1.0)
+    span = (hi - lo).clamp_(min=_TINY)                  # no division by 0 for a constant row
+    y = f((x - lo) / span)
     if bias is None:
-        return torch.addcmul(lo * row_sums, f((x - lo) / span), span)
-    return torch.addcmul(lo * row_sums + bias, f((x - lo) / span) - bias, span)
+        return torch.addcmul(lo * row_sums, y, span)
+    return torch.addcmul(torch.addcmul(bias, lo, row_sums), y.sub_(bias), span)
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
