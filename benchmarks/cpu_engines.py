@@ -5,7 +5,8 @@
     CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8);
-  * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel);
+  * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel) and
+    in int8 (duolm and CTranslate2, as for decoding);
   * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
     batch's rows, nothing else): the rate duolm would reach if the rest (attention over the cache, norms, Python)
     cost nothing;
@@ -207,18 +208,18 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     g = torch.Generator().manual_seed(0)
     idx = torch.randint(1000, 30000, (batch, length), generator=g)
     idx[:, 0], idx[:, -1] = 101, 102
-    enc = Isolated("Encoder", folder / "bert-ct2-float32", "float32", threads)
+    enc = {q: Isolated("Encoder", folder / "bert-ct2-float32", q, threads) for q in ("float32", "int8")}
     vocab = (folder / "bert-ct2-float32" / "vocabulary.json")
     names = json.loads(vocab.read_text()) if vocab.exists() else None
     tokens = [[names[i] for i in row] for row in idx.tolist()] if names else None
-    fp32 = quantize(ours, "fp32")
+    fp32, int8 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8"))
 
-    def duolm():
+    def duolm(model=fp32):
         with torch.inference_mode():
-            return fp32(idx)[0]
+            return model(idx)[0]
 
-    def ct2(pick=None):                        # the timed calls send nothing back
-        return enc.call("forward_batch", pick, tokens if tokens is not None else idx.tolist())
+    def ct2(pick=None, q="float32"):           # the timed calls send nothing back
+        return enc[q].call("forward_batch", pick, tokens if tokens is not None else idx.tolist())
 
     def hf():
         with torch.inference_mode():
@@ -227,9 +228,13 @@ def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
     # the same weights give the same states (a check that the engines computed the same thing); also the warm-up
     a, b, c = duolm(), torch.as_tensor(ct2(_states)), hf()
     diffs = {"CTranslate2": (b - a).abs().max().item(), "transformers": (c - a).abs().max().item()}
-    engines = {"duolm fp32": duolm, "CTranslate2 fp32": ct2, "transformers fp32": hf}
+    a8, b8 = duolm(int8), torch.as_tensor(ct2(_states, "int8"))
+    diffs.update({"duolm int8": (a8 - a).abs().max().item(), "CTranslate2 int8": (b8 - a).abs().max().item()})
+    engines = {"duolm fp32": duolm, "CTranslate2 fp32": ct2, "transformers fp32": hf,
+               "duolm int8": lambda: duolm(int8), "CTranslate2 int8": lambda: ct2(q="int8")}
     times = _rounds(engines, rounds)
-    enc.close()
+    for worker in enc.values():
+        worker.close()
     return times, diffs
 
 
@@ -322,12 +327,13 @@ def main():
                   f"{tps[PRODUCTS] / tps['transformers fp32']:.2f}x)")
         times, diffs = encoder_rows(folder, bert_hf, args.rounds, args.threads)
         out["encoder"] = {"seconds": times, "max_abs_diff_vs_duolm": diffs}
-        print("\nBERT-base encoder, 32 x 128, fp32, median of", args.rounds, "rounds")
+        print("\nBERT-base encoder, 32 x 128, fp32 and int8, median of", args.rounds, "rounds")
         for k, t in times.items():
             print(f"  {k:<18} {1000 * t:8.1f} ms")
-        print(f"  duolm / CTranslate2 {times['CTranslate2 fp32'] / times['duolm fp32']:.2f}x, duolm / transformers "
-              f"{times['transformers fp32'] / times['duolm fp32']:.2f}x (hidden states differ by at most "
-              + ", ".join(f"{v:.1e} ({k})" for k, v in diffs.items()) + ")")
+        print(f"  duolm / CTranslate2: fp32 {times['CTranslate2 fp32'] / times['duolm fp32']:.2f}x, int8 "
+              f"{times['CTranslate2 int8'] / times['duolm int8']:.2f}x; duolm / transformers fp32 "
+              f"{times['transformers fp32'] / times['duolm fp32']:.2f}x (hidden states differ from duolm fp32's by at "
+              "most " + ", ".join(f"{v:.1e} ({k})" for k, v in diffs.items()) + ")")
     layouts = layout_rows(args.rounds)
     out["layouts"] = {f"{n}x{k} rows {m}": v for (n, k, m), v in layouts.items()}
     print(f"\nGPT-2 124M's weights through oneDNN in fp32, plain vs blocked layout, median of {args.rounds} rounds")

@@ -137,6 +137,43 @@ def test_int8_kernel_is_the_int8_formula():
     assert doctest.testmod(precision_module).failed == 0          # int8_rows', row_affine's, int8_matmul's examples
 
 
+@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="torch without oneDNN's "
+                    "quantized engine (every x86 build has it)")
+@pytest.mark.parametrize("amx", [True, False])
+def test_int8_multiplies_wide_inputs_on_onednn_where_amx_int8(amx, monkeypatch):
+    """Where the CPU has AMX int8 tiles (amx_int8; forced either way here: oneDNN's int8 kernel runs on any x86 CPU),
+    Int8Linear holds its weight packed for both engines and multiplies WIDE_ROWS rows or more on oneDNN's, fewer on
+    the x86 engine's: both the int8 formula, to float rounding; without AMX, one packed weight. oneDNN runs them at
+    bucketed row counts (onednn_rows), so that inputs of many lengths do not grow the memory."""
+    monkeypatch.setattr(precision_module, "amx_int8", lambda: amx)
+    ran = []                                            # (packed weight, rows) of each kernel call
+    kernel = precision_module._int8_linear
+    monkeypatch.setattr(precision_module, "_int8_linear", lambda x, packed, r: ran.append((packed, len(x))) or
+                        kernel(x, packed, r))
+    torch.manual_seed(0)
+    w, b = torch.randn(768, 3072) * 0.02, torch.randn(768)
+    q = Int8Linear(w, b)
+    assert (q.packed_wide is not None) == amx and ("AMX" in repr(q)) == amx
+    for rows in (2, precision_module.WIDE_ROWS - 1, precision_module.WIDE_ROWS, 74):
+        x = torch.randn(rows, 3072)
+        wide = amx and rows >= precision_module.WIDE_ROWS
+        with torch.no_grad():
+            got = q(x)
+            want = precision_module.row_affine(lambda v: int8_matmul(v, q.qweight, q.scale,
+                                                                     precision_module._REDUCE_RANGE), q.row_sums, x)
+        torch.testing.assert_close(got, want + b, atol=1e-5, rtol=1e-5)
+        assert ran.pop() == ((q.packed_wide, onednn_rows(rows)) if wide else (q.packed, rows))
+    if amx:
+        lin = Int8Linear(torch.randn(256, 128), torch.randn(256))
+        with torch.no_grad():
+            for m in range(65, 1025, 2):                # the first sweep: every bucket
+                lin(torch.randn(m, 128))
+            before = _rss_mb()
+            for m in range(66, 1025, 2):                # 480 row counts not seen yet
+                lin(torch.randn(m, 128))
+        assert _rss_mb() - before < 40
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_linear_is_f_linear_under_autocast(native, monkeypatch):
     """BF16Linear's product is autocast's bf16 F.linear on the same weights (the bias added in fp32): on oneDNN's

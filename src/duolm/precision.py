@@ -20,7 +20,8 @@ swaps the linears, in place, for modules that say what they run:
     each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
     kernel takes one scale and zero point for the whole input, so each row is first mapped onto [0, 1] by its own
     min and max and the output mapped back (row_affine): every row gets all 256 steps, whatever the other rows
-    hold (an outlier token, padding, another request of the batch).
+    hold (an outlier token, padding, another request of the batch). On CPUs with AMX int8 tiles (amx_int8),
+    products of WIDE_ROWS rows or more run on oneDNN's int8 kernel, fewer on fbgemm's: the same formula.
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
@@ -204,14 +205,30 @@ def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
-    """The x86 quantized engine's packed form of q * scale, with the bias it adds to each output (quantized tensors
-    are deprecated upstream; the tested torch has them, and _works() falls back where they are gone)."""
+def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, engine: str | None = None):
+    """A quantized engine's packed form of q * scale, with the bias it adds to each output: the engine torch is set
+    to (x86: fbgemm's kernels), or `engine` ("onednn"). Quantized tensors are deprecated upstream; the tested torch
+    has them, and _works() falls back where they are gone."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
                                                       torch.zeros(len(q), dtype=torch.long), 0)
-    return torch.ops.quantized.linear_prepack(qw, bias)
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine or before
+    try:
+        return torch.ops.quantized.linear_prepack(qw, bias)
+    finally:
+        torch.backends.quantized.engine = before
+
+
+def amx_int8() -> bool:
+    """Whether the CPU has AMX int8 tiles and torch its oneDNN quantized engine, whose int8 kernel runs on them:
+    Int8Linear then multiplies WIDE_ROWS rows or more there (prefills, encoders' batches); the x86 engine, fbgemm,
+    keeps decoding's few rows, where oneDNN's kernel gained nothing (docs/precision.md)."""
+    return "amx_int8" in (_cpuinfo("flags") or "").split() and "onednn" in torch.backends.quantized.supported_engines
+
+
+WIDE_ROWS = 64
 
 
 def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
@@ -331,7 +348,7 @@ _NUMBERS = itertools.count()
 
 @torch.library.custom_op("duolm::int8_linear", mutates_args=())
 def _int8_op(x: torch.Tensor, module: torch.Tensor, out_features: int) -> torch.Tensor:
-    return _int8_linear(x, _INT8[int(module)].packed, _REDUCE_RANGE)
+    return _INT8[int(module)].kernel(x)
 
 
 @_int8_op.register_fake
@@ -353,6 +370,8 @@ class Int8Linear(nn.Module):
         bias = None if bias is None else bias.detach().float()
         self.register_buffer("bias", bias)
         self.packed = _int8_pack(q, scale, bias) if _works("int8") else None
+        wide = self.packed is not None and amx_int8()
+        self.packed_wide = _int8_pack(q, scale, bias, engine="onednn") if wide else None
         self._register()
 
     def _register(self):
@@ -364,6 +383,15 @@ class Int8Linear(nn.Module):
         super().__setstate__(state)
         self._register()
 
+    def kernel(self, v):
+        """v @ W.T + b by the x86 dynamic int8 kernel: WIDE_ROWS rows or more on oneDNN's packed weight where there is
+        one (amx_int8), run at onednn_rows() rows (oneDNN keeps memory for every row count it meets; the zero rows
+        added leave the input's scale, and so every row's result, as it is), fewer on the x86 engine's. The two
+        compute the same formula, to float rounding."""
+        if self.packed_wide is not None and v.numel() >= WIDE_ROWS * v.shape[-1]:
+            return _on_rows(lambda u: _int8_linear(u, self.packed_wide, _REDUCE_RANGE), v)
+        return _int8_linear(v, self.packed, _REDUCE_RANGE)
+
     def matmul(self, v):
         """v @ W.T + b."""
         if self.packed is None:
@@ -371,13 +399,14 @@ class Int8Linear(nn.Module):
             return y if self.bias is None else y + self.bias
         if torch.compiler.is_compiling():
             return _int8_op(v, self.number, self.qweight.shape[0])
-        return _int8_linear(v, self.packed, _REDUCE_RANGE)
+        return self.kernel(v)
 
     def forward(self, x):
         return row_affine(self.matmul, self.row_sums, x, self.bias)
 
     def extra_repr(self):
         kernel = "x86 dynamic int8" if self.packed is not None else "int8 in public ops"
+        kernel += f", oneDNN (AMX) from {WIDE_ROWS} rows" if self.packed_wide is not None else ""
         return f"in_features={self.qweight.shape[1]}, out_features={self.qweight.shape[0]}, " \
                f"bias={self.bias is not None}, kernel={kernel}"
 
