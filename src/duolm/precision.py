@@ -359,7 +359,8 @@ def _(x, module, out_features):
 class Int8Linear(nn.Module):
     """y = row_affine(int8 product + b): W as int8 rows with a scale each (int8_rows), each input row mapped onto
     [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel, which adds b (under
-    torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable)."""
+    torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable): on fbgemm's
+    packed weight, and from WIDE_ROWS rows on oneDNN's where the CPU has AMX int8 tiles (kernel())."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
