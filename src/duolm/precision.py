@@ -319,10 +319,11 @@ class BF16Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        w = weight.detach().to(torch.bfloat16)
+        self.register_buffer("weight", w)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        on_onednn = weight.device.type == "cpu" and native_bf16("cpu") and fp32_engine() == "onednn"
-        self.register_buffer("packed", _pack(self.weight) if on_onednn else None)
+        on_onednn = w.device.type == "cpu" and native_bf16("cpu") and fp32_engine() == "onednn"
+        self.register_buffer("packed", _pack(w) if on_onednn else None)
 
     def forward(self, x):
         x = x.to(torch.bfloat16)
