@@ -4,7 +4,7 @@
     (duolm: duolm.precision.quantize(model, "fp32"), oneDNN on packed weights where fp32_engine() picks it;
     CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
-    activations, as CTranslate2's compute_type int8);
+    activations, as CTranslate2's compute_type int8); duolm's bf16 beside them (CTranslate2 has none on CPUs);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel) and
     in int8 (duolm and CTranslate2, as for decoding);
   * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
@@ -162,7 +162,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     # CTranslate2 takes token strings: the ids' names in its vocabulary file
     vocab = json.loads((folder / "gpt2-ct2-float32" / "vocabulary.json").read_text())
     ct2_prompts = [[vocab[i] for i in p] for p in prompts]
-    fp32, int8 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8"))
+    fp32, int8, bf16 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8", "bf16"))
 
     def duolm(model):
         def run():
@@ -185,7 +185,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
             return out[:, PROMPT:].tolist()
 
     engines = {"duolm fp32": duolm(fp32), "CTranslate2 fp32": ctranslate("float32"), "transformers fp32": hf,
-               "duolm int8": duolm(int8), "CTranslate2 int8": ctranslate("int8")}
+               "duolm int8": duolm(int8), "CTranslate2 int8": ctranslate("int8"), "duolm bf16": duolm(bf16)}
     ids = {k: f() for k, f in engines.items()}          # also the warm-up
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
@@ -308,21 +308,24 @@ def main():
             times, same = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
             if batch == 1:
                 gbs = (1 << 30) / times.pop(READ) / 1e9
-                bounds = {"fp32": gbs * 1e9 / weight_bytes, "int8": gbs * 1e9 / (weight_bytes / 4)}   # a byte a weight
+                bounds = {"fp32": gbs * 1e9 / weight_bytes, "bf16": gbs * 1e9 / (weight_bytes / 2),
+                          "int8": gbs * 1e9 / (weight_bytes / 4)}                         # a byte a weight
                 out["bandwidth_gbs"], out["bounds"] = gbs, bounds
                 print(f"  read bandwidth in these rounds {gbs:.1f} GB/s; fp32 weights read per token "
-                      f"{weight_bytes / 1e6:.0f} MB -> batch-1 bound {bounds['fp32']:.1f} tokens/s; int8 weights "
-                      f"(a quarter) -> {bounds['int8']:.1f}")
+                      f"{weight_bytes / 1e6:.0f} MB -> batch-1 bound {bounds['fp32']:.1f} tokens/s; bf16 weights "
+                      f"(a half) -> {bounds['bf16']:.1f}; int8 weights (a quarter) -> {bounds['int8']:.1f}")
             tps = {k: batch * args.new_tokens / t for k, t in times.items()}
             out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
             for k, v in tps.items():
-                kind = "int8" if "int8" in k else "fp32"
+                kind = next(p for p in ("int8", "bf16", "fp32") if p in k)
                 extra = f"  ({100 * v / bounds[kind]:.0f}% of the {kind} bound)" if batch == 1 else ""
                 ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else \
                     f"every weight once a step, {batch} row{'s' * (batch > 1)}"
                 print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; {ids}{extra}")
             print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
-                  f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm / transformers fp32 "
+                  f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm bf16 / duolm fp32 "
+                  f"{tps['duolm bf16'] / tps['duolm fp32']:.2f}x (CTranslate2 has no bf16 on CPUs); "
+                  f"duolm / transformers fp32 "
                   f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (the products alone "
                   f"{tps[PRODUCTS] / tps['transformers fp32']:.2f}x)")
         times, diffs = encoder_rows(folder, bert_hf, args.rounds, args.threads)
