@@ -186,6 +186,12 @@ def _on_rows(f, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def _plain(x: torch.Tensor) -> bool:
+    """Whether a forward on x takes F.linear rather than a packed weight: autograd on (training), or under
+    torch.compile (inductor lowers only weights it packed)."""
+    return (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling()
+
+
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
     """x @ W.T + bias through oneDNN on a packed W, on `rows` rows (None: onednn_rows())."""
     return _on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x, rows)
@@ -301,7 +307,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x):
         rows = self.rows(x.numel() // x.shape[-1])
-        if rows is None or (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        if rows is None or _plain(x):
             return F.linear(x, self.weight, self.bias)
         return _onednn(x, self.packed, self.bias, rows)
 
@@ -327,7 +333,7 @@ class BF16Linear(nn.Module):
 
     def forward(self, x):
         x = x.to(torch.bfloat16)
-        if self.packed is None or (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
+        if self.packed is None or _plain(x):
             y = _on_rows(lambda v: F.linear(v, self.weight), x)
         else:
             y = _onednn(x, self.packed, None)
