@@ -266,7 +266,7 @@ def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | 
     """
     if x.numel() == x.shape[-1]:
         return f(x)
-    lo, hi = x.aminmax(dim=-1, keepdim=True)
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)   # two passes: faster than aminmax(dim=-1)
     span = (hi - lo).clamp_(min=_TINY)                  # no division by 0 for a constant row
     y = f((x - lo) / span)
     if bias is None:
