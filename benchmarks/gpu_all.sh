@@ -6,7 +6,8 @@
 # results go to $OUT (default /tmp/gpu-run). Run from the repository root:
 #     bash benchmarks/gpu_all.sh
 # Python packages the machine lacks (the server's) may sit as wheels in .whl/; the data the serving benchmark reads
-# (GPT-2's vocabulary, WikiText-2's test split) in .gpu-data/ when ../shared/data is not beside the checkout.
+# (GPT-2's vocabulary, WikiText-2's test split) in .gpu-data/ when ../shared/data is not beside the checkout: both
+# made beforehand, where PyPI is reachable, by benchmarks/gpu_prepare.sh.
 set -u
 OUT=${OUT:-/tmp/gpu-run}
 mkdir -p "$OUT"
