@@ -41,7 +41,7 @@ def write_jsonl(path, choices):
     return path
 
 
-def test_choice_head_trains_as_transformers(data_dir, one_thread):
+def test_choice_head_trains_as_transformers(data_dir):
     """MiniLM as our BertForChoice and as transformers' BertForMultipleChoice, the same head weights, batches,
     AdamW and schedule: the losses of 20 steps equal."""
     model, tok = load(minilm_dir())

@@ -40,7 +40,7 @@ def _triples(pairs):
 
 
 @pytest.mark.parametrize("loss", ["mnrl", "mnrl-hard", "cosine"])
-def test_losses_equal_sentence_transformers(loss, minilm, stsb, one_thread):
+def test_losses_equal_sentence_transformers(loss, minilm, stsb):
     """MiniLM as our BertForEmbedding and as SentenceTransformer, the same batches, AdamW and schedule: 10 steps of
     MultipleNegativesRankingLoss (pairs; pairs and a hard negative) and CosineSimilarityLoss equal within 1e-5.
     Dropout is off on both sides: the two draw their masks differently, so equal losses need no masks at all."""
@@ -82,7 +82,7 @@ def _write(path, rows):
     return path
 
 
-def test_a_run_is_served_and_loads_in_sentence_transformers(minilm, stsb, tmp_path, one_thread):
+def test_a_run_is_served_and_loads_in_sentence_transformers(minilm, stsb, tmp_path):
     """finetune() on triples with an STS-B dev file: the run's model embeds as its export does in
     SentenceTransformer(path) (within 1e-5), pools as all-MiniLM-L6-v2 (mean, normalised: read from its files),
     and /v1/embeddings serves those embeddings."""

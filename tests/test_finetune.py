@@ -63,7 +63,7 @@ PARITY = TrainConfig(max_steps=30, batch_size=4, lr=1e-4, warmup_steps=3, decay=
 
 
 @pytest.mark.parametrize("task", ["sst2", "stsb"])
-def test_bert_head_trains_as_transformers(task, minilm, data_dir, one_thread):
+def test_bert_head_trains_as_transformers(task, minilm, data_dir):
     """MiniLM as our BertForSequence and as transformers' BertForSequenceClassification, the same head weights,
     batches, AdamW and schedule: 30 steps of losses equal (classification and regression)."""
     model, tok = minilm

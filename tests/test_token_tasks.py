@@ -38,7 +38,7 @@ def squad(data_dir):
     return read_squad(data_dir / "squad" / "dev-v1.1-articles-01-24.json")[0]
 
 
-def test_tagger_trains_as_transformers(minilm, conll, one_thread):
+def test_tagger_trains_as_transformers(minilm, conll):
     """MiniLM as our BertForTokens and as BertForTokenClassification: same head, batches, AdamW: 20 steps equal."""
     model, tok = minilm
     labels = sorted({t for s in conll for t in s.tags})
@@ -64,7 +64,7 @@ def _full_windows(f: SpanFeatures, length: int) -> SpanFeatures:
                                      if isinstance(getattr(f, k.name), list) and k.name != "cut"})
 
 
-def test_span_head_trains_as_transformers(minilm, squad, one_thread):
+def test_span_head_trains_as_transformers(minilm, squad):
     """MiniLM as our BertForSpans and as BertForQuestionAnswering (windows without padding: transformers' loss
     counts padded positions, ours leaves them out): 20 steps equal."""
     model, tok = minilm
