@@ -9,7 +9,7 @@
     in int8 (duolm and CTranslate2, as for decoding);
   * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
     batch's rows, nothing else): the rate duolm would reach if the rest (attention over the cache, norms, Python)
-    cost nothing;
+    cost nothing; a step's time split in two, its products and the rest;
   * duolm's fp32 weight layouts: GPT-2's matrices packed for oneDNN in the plain layout (rows hint 1) and the blocked
     one duolm.precision uses (rows hint 64), timed on 1, 8 and 128 rows.
 
@@ -328,6 +328,10 @@ def main():
                   f"duolm / transformers fp32 "
                   f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (the products alone "
                   f"{tps[PRODUCTS] / tps['transformers fp32']:.2f}x)")
+            step, products = (1e3 * times[k] / args.new_tokens for k in ("duolm fp32", PRODUCTS))
+            print(f"  batch {batch}  duolm fp32 a step {step:.1f} ms: its products {products:.1f} ms, the rest "
+                  f"{step - products:.1f} ms (attention over the cache, norms, activations, the prompt's prefill, "
+                  "Python)")
         times, diffs = encoder_rows(folder, bert_hf, args.rounds, args.threads)
         out["encoder"] = {"seconds": times, "max_abs_diff_vs_duolm": diffs}
         print("\nBERT-base encoder, 32 x 128, fp32 and int8, median of", args.rounds, "rounds")
