@@ -34,7 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file as _st_load_file
 from safetensors.torch import save_file as _st_save_file
 
-from duolm import dcp, hub, runs
+from duolm import hub, runs
 from duolm.convert import hf as _hf
 from duolm.convert import tf as _tf
 from duolm.convert.st import Pooling, write_pooling
@@ -149,6 +149,7 @@ def _load_native(path: Path, cfg: dict):
         _load_state(model, sd, str(weights))
     elif (path / SHARDS).is_dir():
         model = _build(make, config)
+        from duolm import dcp                         # torch.distributed.checkpoint: ~1 s to import, paid here only
         state = {"model": model.state_dict()}          # the model's own tensors, filled in place
         dcp.read(state, path / SHARDS)
     else:
