@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from duolm import runs
 from duolm.checkpoint import SHARDS, load, save
@@ -215,7 +214,7 @@ def train_step(fwd: nn.Module, objective: Objective, optimizer, micros: list[dic
         n_tokens += objective.tokens(m)
     total = _all_reduce({**total, "_tokens": n_tokens}, device)
     grad_norm = nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else math.inf)
-    grad_norm = float(grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm)   # (FSDP's shards)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # (FSDP's DTensor)
     ok = math.isfinite(total["loss"]) and math.isfinite(grad_norm)
     if ok:
         optimizer.step()

@@ -18,20 +18,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 
-from duolm import dcp
-
 PARALLEL = ("ddp", "fsdp")
+# FSDP2, its state dicts and DCP take ~1 s to import: a run imports them when it shards or touches shards (every
+# command and program that never does starts without them); a model is FSDP's only after fully_shard, imported here.
+FSDP = "torch.distributed.fsdp"
 
 
 def setup_distributed(device: str | None = None, env=os.environ):
@@ -79,12 +76,14 @@ def wrap(model: nn.Module, parallel: str, world: int, device: torch.device, prec
         return model
     if parallel == "ddp":
         return nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     return shard(model, init_device_mesh(device.type, (world,)), precision)
 
 
 def shard(model: nn.Module, mesh, precision: str = "fp32") -> nn.Module:
     """FSDP2 over `mesh`, in place: each transformer block a unit, then the root. precision "bf16": the parameters
     gathered in bf16, the gradients reduced in fp32 (MixedPrecisionPolicy); otherwise all in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else \
         MixedPrecisionPolicy()
     for block in model.backbone.h:
@@ -114,9 +113,9 @@ def activation_checkpointing(model: nn.Module, on: bool = True):
 def no_sync(fwd: nn.Module, sync: bool):
     """The backward passes inside reduce their gradients over the processes only when `sync` (the last
     micro-batch of a step); in one process there is nothing to reduce."""
-    if sync or not isinstance(fwd, (nn.parallel.DistributedDataParallel, FSDPModule)):
+    if sync or not (isinstance(fwd, nn.parallel.DistributedDataParallel) or sharded(fwd)):
         yield
-    elif isinstance(fwd, FSDPModule):
+    elif sharded(fwd):
         fwd.set_requires_gradient_sync(False)
         try:
             yield
@@ -128,22 +127,25 @@ def no_sync(fwd: nn.Module, sync: bool):
 
 
 def sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return FSDP in sys.modules and isinstance(model, sys.modules[FSDP].FSDPModule)
 
 
-def _gathered() -> StateDictOptions:
+def _gathered():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
     return StateDictOptions(full_state_dict=True, cpu_offload=dist.is_initialized())
 
 
 def model_state(model: nn.Module) -> dict | None:
     """A sharded model's state dict gathered whole on rank 0 (the other ranks get an empty dict; every rank must
     call it); None for a plain model, whose own state_dict() is whole."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
     return get_model_state_dict(model, options=_gathered()) if sharded(model) else None
 
 
 def _states(model: nn.Module, optimizer) -> dict:
     """This rank's state of the model and (unless None) the optimizer, keyed by parameter name: shards of a sharded
     model, whole tensors of a plain one (a fresh optimizer's state made first, by a step of lr 0)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
     state = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
@@ -152,12 +154,16 @@ def _states(model: nn.Module, optimizer) -> dict:
 
 def save_shards(model: nn.Module, optimizer, folder) -> None:
     """Every rank writes its shards of the model's and the optimizer's state into `folder` (duolm.dcp), at once."""
+    from duolm import dcp
     dcp.write(_states(model, optimizer), folder)
 
 
 def load_shards(model: nn.Module, optimizer, folder) -> None:
     """The state save_shards wrote, at any number of processes, into a sharded or plain `model` (and `optimizer`,
     unless None); every rank of the process group calls it, or one process alone."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    from duolm import dcp
     state = _states(model, optimizer)
     dcp.read(state, folder, collective=dist.is_available() and dist.is_initialized())
     set_model_state_dict(model, state["model"])
@@ -168,6 +174,7 @@ def load_shards(model: nn.Module, optimizer, folder) -> None:
 def load_model_state(model: nn.Module, state: dict) -> None:
     """A whole model state dict (each rank passes the one it read) into a plain or sharded `model`."""
     if sharded(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
     else:
         model.load_state_dict(state)
@@ -186,4 +193,5 @@ def load_optimizer_state(model: nn.Module, optimizer, state: dict) -> None:
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         state = {"state": {order[i]: s for i, s in state["state"].items()},
                  "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
