@@ -1,7 +1,8 @@
 #!/bin/bash
 # What a lent GPU machine lacks for benchmarks/gpu_all.sh, gathered here, where PyPI is reachable (that machine reaches
 # nothing). Run from the repository root before a session's first device call; then name both folders in the call's
-# carry ([".whl", ".gpu-data"]). Both are git-ignored; they hold, together, about 5 MB:
+# carry ([".whl", ".gpu-data"]). Both are git-ignored; they hold, together, about 7 MB:
+#     bash benchmarks/gpu_prepare.sh
 #   .whl/       wheels for the machine's Python (CPython 3.12, x86-64) of the server's packages its image lacks
 #               (duolm[serve]: fastapi, uvicorn and what they need), at the versions this venv runs
 #   .gpu-data/  GPT-2's vocabulary and WikiText-2's test split (benchmarks/serve.py's prompts), from ../shared/data
