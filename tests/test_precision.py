@@ -48,6 +48,13 @@ def onednn(monkeypatch):
     monkeypatch.setattr(precision_module, "fp32_rows", lambda: onednn_rows)
 
 
+@pytest.fixture
+def torch_int8(monkeypatch):
+    """Int8Linear on torch's x86 int8 kernels (fbgemm's, oneDNN's), as where the CPU lacks AVX512-VNNI, so that they
+    are tested on every CPU (duolm.int8_kernel's own kernel: tests/test_int8_kernel.py)."""
+    monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
+
+
 def _swapped(model, precision):
     """A quantized copy of `model` (quantize works in place)."""
     return quantize(copy.deepcopy(model), precision)
@@ -117,11 +124,12 @@ def test_quantize_swaps_every_linear_and_shows_it():
             assert torch.nn.Linear not in kinds and cls in kinds
             assert isinstance(q.get_submodule(tied), cls) and f"{cls.__name__}(in_features=32" in repr(q)
             assert type(q.get_submodule(wte)) is torch.nn.Embedding and not q.training
-    assert "kernel=x86 dynamic int8" in repr(_swapped(gpt, "int8"))
+    kernel = "AVX512-VNNI rows" if precision_module.vnni_rows() else "x86 dynamic int8"
+    assert f"kernel={kernel}" in repr(_swapped(gpt, "int8"))
 
 
-def test_int8_kernel_is_the_int8_formula():
-    """Int8Linear's x86 kernel computes what int8_matmul writes out in public ops (row-mapped inputs, one scale,
+def test_int8_kernel_is_the_int8_formula(torch_int8):
+    """Int8Linear on torch's x86 kernel computes what int8_matmul writes out in public ops (row-mapped inputs, one scale,
     uint8 steps rounded to even, int32 sums), to float rounding: at GPT-2 124M's shapes and on a whole model."""
     torch.manual_seed(0)
     for n, k in ((2304, 768), (768, 3072)):
@@ -140,7 +148,7 @@ def test_int8_kernel_is_the_int8_formula():
 @pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="torch without oneDNN's "
                     "quantized engine (every x86 build has it)")
 @pytest.mark.parametrize("amx", [True, False])
-def test_int8_multiplies_wide_inputs_on_onednn_where_amx_int8(amx, monkeypatch):
+def test_int8_multiplies_wide_inputs_on_onednn_where_amx_int8(amx, monkeypatch, torch_int8):
     """Where the CPU has AMX int8 tiles (amx_int8; forced either way here: oneDNN's int8 kernel runs on any x86 CPU),
     Int8Linear holds its weight packed for both engines and multiplies WIDE_ROWS rows or more on oneDNN's, fewer on
     the x86 engine's: both the int8 formula, to float rounding; without AMX, one packed weight. oneDNN runs them at
@@ -254,6 +262,7 @@ def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers
     for the x86 int8 kernel."""
     model, idx = _gpt2(), torch.randint(0, 97, (2, 20))
     precision = "fp32" if kernel == "onednn" else "int8"
+    monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)      # torch's int8 kernel, not duolm's
     with torch.no_grad():
         want = _swapped(model, precision)(idx) if kernel == "int8" else model(idx)
     precision_module._works.cache_clear()
@@ -263,6 +272,7 @@ def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers
         monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
         monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
     else:
+        monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
         monkeypatch.delattr(torch, "_make_per_channel_quantized_tensor")
     try:
         with pytest.warns(RuntimeWarning, match=f"{kernel} kernel is unavailable"):

@@ -177,18 +177,24 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     assert ids(model, prompts, 40, True, temperature=0) == ids(model, prompts, 40, False, temperature=0)
 
 
-def test_compiled_step_of_an_int8_model(monkeypatch):
-    """A model swapped by quantize(model, "int8"): the compiled step calls the x86 int8 kernel as the operator
-    duolm::int8_linear, never the formula in public ops (int8_matmul: float64 products, far slower), and gives
-    the eager int8 ids for 3 prompts (rows mapped by row_affine inside the graph). A deep copy's linears are
-    operators' modules of their own, and it decodes through the same graph."""
+@pytest.mark.parametrize("vnni", [False, True])
+def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
+    """A model swapped by quantize(model, "int8"): the compiled step calls its int8 kernel as an operator, torch's x86
+    kernel as duolm::int8_linear (rows mapped by row_affine inside the graph) or, where the CPU has AVX512-VNNI,
+    duolm.int8_kernel's as duolm_int8::linear, never the formula in public ops (int8_matmul: float64 products, far
+    slower), and gives the eager int8 ids for 3 prompts. A deep copy's linears are operators' modules of their own,
+    and it decodes through the same graph."""
     import copy
 
     from duolm import precision
 
+    if vnni and not precision.vnni_rows():
+        pytest.skip("this CPU lacks AVX512-VNNI: duolm.int8_kernel's kernel does not run here")
+    if not vnni:
+        monkeypatch.setattr(precision, "vnni_rows", lambda: False)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")
     linears = [m for m in model.modules() if isinstance(m, precision.Int8Linear)]
-    assert linears and all(m.packed is not None for m in linears)
+    assert linears and all((m.packed_rows is not None) == vnni and (m.packed is None) == vnni for m in linears)
     prompts = prompts_of(3, seed=4, vocab=512)
     want = ids(model, prompts, 40, False, temperature=0)
 

@@ -17,11 +17,12 @@ swaps the linears, in place, for modules that say what they run:
   * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
     input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
-    each input quantized to uint8 on the fly, products summed in int32 by the x86 int8 kernels, output fp32. The
-    kernel takes one scale and zero point for the whole input, so each row is first mapped onto [0, 1] by its own
-    min and max and the output mapped back (row_affine): every row gets all 256 steps, whatever the other rows
-    hold (an outlier token, padding, another request of the batch). On CPUs with AMX int8 tiles (amx_int8),
-    products of WIDE_ROWS rows or more run on oneDNN's int8 kernel, fewer on fbgemm's: the same formula.
+    each input row quantized to uint8 on the fly by its own min and max, products summed in int32, output fp32:
+    every row gets all 256 steps, whatever the other rows hold (an outlier token, padding, another request of the
+    batch). Below WIDE_ROWS rows on CPUs with AVX512-VNNI (vnni_rows()) duolm.int8_kernel's kernel does it all in one
+    call; elsewhere torch's x86 int8 kernels (fbgemm's; from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles,
+    amx_int8), which take one scale and zero point for the whole input: each row is first mapped onto [0, 1] and the
+    output mapped back (row_affine).
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
@@ -42,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from duolm import int8_kernel
 from duolm.models.gpt2 import TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
@@ -227,6 +229,11 @@ def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
         torch.backends.quantized.engine = before
 
 
+def vnni_rows() -> bool:
+    """Whether Int8Linear runs duolm.int8_kernel's AVX512-VNNI kernel here (the CPU has it and it builds)."""
+    return int8_kernel.available(_cpuinfo("flags") or "")
+
+
 def amx_int8() -> bool:
     """Whether the CPU has AMX int8 tiles and torch its oneDNN quantized engine, whose int8 kernel runs on them:
     Int8Linear then multiplies WIDE_ROWS rows or more there (prefills, encoders' batches); the x86 engine, fbgemm,
@@ -364,10 +371,11 @@ def _(x, module, out_features):
 
 
 class Int8Linear(nn.Module):
-    """y = row_affine(int8 product + b): W as int8 rows with a scale each (int8_rows), each input row mapped onto
-    [0, 1], quantized to uint8 and multiplied in int32 by the x86 dynamic int8 kernel, which adds b (under
-    torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable): on fbgemm's
-    packed weight, and from WIDE_ROWS rows on oneDNN's where the CPU has AMX int8 tiles (kernel())."""
+    """y = x W^T + b with W as int8 rows with a scale each (int8_rows), each input row quantized to uint8 by its own
+    min and max. Fewer than WIDE_ROWS rows: where the CPU has AVX512-VNNI (vnni_rows()), duolm.int8_kernel's kernel in
+    one call. Elsewhere, and from WIDE_ROWS rows, row_affine around torch's x86 dynamic int8 kernel, which adds b
+    (under torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable): fbgemm's
+    packed weight, or from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles (amx_int8; kernel())."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -377,9 +385,11 @@ class Int8Linear(nn.Module):
         self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
         bias = None if bias is None else bias.detach().float()
         self.register_buffer("bias", bias)
-        self.packed = _int8_pack(q, scale, bias) if _works("int8") else None
-        wide = self.packed is not None and amx_int8()
-        self.packed_wide = _int8_pack(q, scale, bias, engine="onednn") if wide else None
+        self.register_buffer("packed_rows", int8_kernel.pack(q) if vnni_rows() else None)
+        quantized = _works("int8")
+        self.packed_wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
+        few = self.packed_rows is None or self.packed_wide is None        # fbgemm's kernel runs some row counts
+        self.packed = _int8_pack(q, scale, bias) if quantized and few else None
         self._register()
 
     def _register(self):
@@ -402,7 +412,7 @@ class Int8Linear(nn.Module):
 
     def matmul(self, v):
         """v @ W.T + b."""
-        if self.packed is None:
+        if self.packed is None and self.packed_wide is None:
             y = int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
             return y if self.bias is None else y + self.bias
         if torch.compiler.is_compiling():
@@ -410,10 +420,13 @@ class Int8Linear(nn.Module):
         return self.kernel(v)
 
     def forward(self, x):
+        if self.packed_rows is not None and x.numel() < WIDE_ROWS * x.shape[-1]:
+            return int8_kernel.linear(x, self.packed_rows, self.scale, self.row_sums, self.bias)
         return row_affine(self.matmul, self.row_sums, x, self.bias)
 
     def extra_repr(self):
-        kernel = "x86 dynamic int8" if self.packed is not None else "int8 in public ops"
+        kernel = ("AVX512-VNNI rows" if self.packed_rows is not None else
+                  "x86 dynamic int8" if self.packed is not None else "int8 in public ops")
         kernel += f", oneDNN (AMX) from {WIDE_ROWS} rows" if self.packed_wide is not None else ""
         return f"in_features={self.qweight.shape[1]}, out_features={self.qweight.shape[0]}, " \
                f"bias={self.bias is not None}, kernel={kernel}"

@@ -1,0 +1,102 @@
+"""int8 products of a few rows, each row quantized on its own, in one call: int8_kernel.cpp, a C++ kernel on
+AVX512-VNNI that duolm.precision.Int8Linear runs where the CPU has it (available()), built by torch's C++ extension
+loader the first time a process needs it (~10 s; cached after, under torch's extensions folder).
+
+For x (M, K) fp32 and W ~= q * scale (int8 rows with a scale each, duolm.precision.int8_rows), each row of x is mapped
+onto 0..255 by its own min lo and span = max - min, and the int8 sums come back through the same affine map:
+
+    u8[m, k] = round((x[m, k] - lo[m]) * (255 / span[m]))
+    y[m, n]  = (sum_k u8[m, k] q[n, k]) * (span[m] / 255) * scale[n] + lo[m] * row_sums[n] + b[n]
+
+with row_sums[n] = sum_k q[n, k] scale[n] (span at least 1e-30: a constant row's u8 are all 0). Every row gets all 256 steps whatever the other rows hold, and a row's
+result is the same alone as in any batch (the sums are exact integers). reference() is the formula in torch ops.
+Where the kernel cannot be had, Int8Linear runs torch's x86 int8 kernels instead (the same formula, in several calls).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vnni", "-mfma", "-fopenmp"]   # -fopenmp: at::parallel_for's threads
+
+
+def supported(flags: str) -> bool:
+    """Whether a CPU with these /proc/cpuinfo `flags` runs the kernel: x86-64 with AVX-512 (F, BW) and VNNI, and
+    torch dispatching its AVX-512 kernels (not held to AVX2 by ATEN_CPU_CAPABILITY)."""
+    have = set(flags.split())
+    return (platform.machine().lower() in ("x86_64", "amd64") and {"avx512f", "avx512bw", "avx512_vnni"} <= have
+            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+
+
+@functools.cache
+def available(flags: str) -> bool:
+    """Whether the kernel runs here: the CPU supports it and it builds (a C++ compiler, ninja); a failed build warns
+    once and leaves Int8Linear on torch's kernels."""
+    if not supported(flags):
+        return False
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja                                         # the loader runs `ninja`: the package's, venv active or not
+        from torch.utils.cpp_extension import load
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
+        load(name="duolm_int8_kernel", sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+             is_python_module=False)
+    except Exception as e:                                   # noqa: BLE001 - no compiler, no ninja, a failed build
+        warnings.warn(f"duolm.int8_kernel: the AVX512-VNNI int8 kernel did not build ({type(e).__name__}: "
+                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); int8 runs torch's x86 kernels",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    finally:
+        os.environ["PATH"] = path
+    torch.library.register_fake("duolm_int8::linear")(_linear_shape)
+    return True
+
+
+def _linear_shape(x, packed, scale, row_sums, bias, n):
+    return x.new_empty(x.shape[0], n)
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """The kernel's layout of int8 rows q (N, K): blocks of 16 rows and 4 columns, [N/16][K/4][16][4], zero-padded.
+
+    >>> pack(torch.arange(8, dtype=torch.int8).view(2, 4))[0, 0, :3].tolist()
+    [[0, 1, 2, 3], [4, 5, 6, 7], [0, 0, 0, 0]]
+    """
+    n, k = q.shape
+    nb, kg = -(-n // 16), -(-k // 4)
+    padded = F.pad(q, (0, 4 * kg - k, 0, 16 * nb - n))
+    return padded.view(nb, 16, kg, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., K) -> (..., N) by the kernel (available() first) on a pack()ed weight."""
+    n = scale.shape[0]
+    y = torch.ops.duolm_int8.linear(x.reshape(-1, x.shape[-1]), packed, scale, row_sums, bias, n)
+    return y.view(*x.shape[:-1], n)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel's formula in torch ops: the same fp32 quantization (the same u8), the sums exact (float64).
+
+    A row [0, 1, 3] (lo 0, span 3: u8 [0, 85, 255]) times the int8 row [1, 2, 0] with scale 0.5 (row sum 1.5):
+    (0 + 170 + 0) * (3 / 255) * 0.5 + 0 * 1.5 = 1.0, x's exact product 0 + 1 + 0 = 1.
+
+    >>> q, s = torch.tensor([[1, 2, 0]], dtype=torch.int8), torch.tensor([0.5])
+    >>> reference(torch.tensor([[0.0, 1.0, 3.0]]), q, s, (q.float() * s[:, None]).sum(1), None).tolist()
+    [[1.0]]
+    """
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    span = (hi - lo).clamp(min=1e-30)                   # a constant row: every u8 0, 255 / span finite
+    u8 = torch.round((x - lo) * torch.full_like(span, 255.0).div(span))    # (255 / span is 255 * (1 / span))
+    y = (u8.double() @ q.double().T) * (span / 255.0).double() * scale.double() + lo.double() * row_sums.double()
+    return (y if bias is None else y + bias.double()).float()
