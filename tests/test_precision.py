@@ -42,8 +42,9 @@ def _bert():
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """fp32_engine() answering "onednn" for every product on any x86 CPU: the exact packed path is tested on Intel's
-    too, on every row count."""
+    """fp32_engine() answering "onednn" for every product on any x86 CPU (not duolm.kernels' fp32 kernel): the exact
+    packed path is tested on Intel's too, on every row count."""
+    monkeypatch.setattr(precision_module, "fp32_kernel", lambda: False)
     monkeypatch.setattr(precision_module, "fp32_engine", lambda: "onednn")
     monkeypatch.setattr(precision_module, "fp32_rows", lambda: onednn_rows)
 
@@ -51,7 +52,7 @@ def onednn(monkeypatch):
 @pytest.fixture
 def torch_int8(monkeypatch):
     """Int8Linear on torch's x86 int8 kernels (fbgemm's, oneDNN's), as where the CPU lacks AVX512-VNNI, so that they
-    are tested on every CPU (duolm.int8_kernel's own kernel: tests/test_int8_kernel.py)."""
+    are tested on every CPU (duolm.kernels's own kernel: tests/test_kernels.py)."""
     monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
 
 

@@ -169,6 +169,7 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     eager ids."""
     from duolm import precision
 
+    monkeypatch.setattr(precision, "fp32_kernel", lambda: False)
     monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
     monkeypatch.setattr(precision, "fp32_rows", lambda: precision.onednn_rows)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
@@ -181,7 +182,7 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
 def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
     """A model swapped by quantize(model, "int8"): the compiled step calls its int8 kernel as an operator, torch's x86
     kernel as duolm::int8_linear (rows mapped by row_affine inside the graph) or, where the CPU has AVX512-VNNI,
-    duolm.int8_kernel's as duolm_int8::linear, never the formula in public ops (int8_matmul: float64 products, far
+    duolm.kernels's as duolm_int8::linear, never the formula in public ops (int8_matmul: float64 products, far
     slower), and gives the eager int8 ids for 3 prompts. A deep copy's linears are operators' modules of their own,
     and it decodes through the same graph."""
     import copy
@@ -189,7 +190,7 @@ def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
     from duolm import precision
 
     if vnni and not precision.vnni_rows():
-        pytest.skip("this CPU lacks AVX512-VNNI: duolm.int8_kernel's kernel does not run here")
+        pytest.skip("this CPU lacks AVX512-VNNI: duolm.kernels's kernel does not run here")
     if not vnni:
         monkeypatch.setattr(precision, "vnni_rows", lambda: False)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")

@@ -9,17 +9,18 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact. On x86 CPUs (fp32_engine()) PackedLinear runs oneDNN on the weight packed once into its blocked
-    layout (the same dot products in another order, within ~1e-6): faster than PyTorch's fp32 F.linear, which calls
-    MKL, at every size on other vendors' CPUs (MKL's slower paths there) and from 4 to 32 rows on Intel's (decoding
-    several sequences), where F.linear keeps up to 3 rows and longer inputs (fp32_rows()). Elsewhere F.linear as it
-    is. benchmarks/cpu_engines.py times both.
+  * "fp32": exact. On Intel's CPUs with AVX-512 (fp32_kernel()) KernelLinear runs products of up to KERNEL_ROWS rows
+    on duolm.kernels' fp32 kernel (the same dot products in another order, within ~1e-6), longer ones on PyTorch's
+    F.linear (MKL). On other x86 CPUs (fp32_engine()) PackedLinear runs oneDNN on the weight packed once into its
+    blocked layout: faster than F.linear at every size on other vendors' CPUs (MKL's slower paths there) and from 4
+    to 32 rows on Intel's without AVX-512, where F.linear keeps up to 3 rows and longer inputs (fp32_rows()).
+    Elsewhere F.linear as it is. benchmarks/cpu_engines.py times decoding.
   * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
     input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
     each input row quantized to uint8 on the fly by its own min and max, products summed in int32, output fp32:
     every row gets all 256 steps, whatever the other rows hold (an outlier token, padding, another request of the
-    batch). Below WIDE_ROWS rows on CPUs with AVX512-VNNI (vnni_rows()) duolm.int8_kernel's kernel does it all in one
+    batch). Below WIDE_ROWS rows on CPUs with AVX512-VNNI (vnni_rows()) duolm.kernels' int8 kernel does it all in one
     call; elsewhere torch's x86 int8 kernels (fbgemm's; from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles,
     amx_int8), which take one scale and zero point for the whole input: each row is first mapped onto [0, 1] and the
     output mapped back (row_affine).
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from duolm import int8_kernel
+from duolm import kernels
 from duolm.models.gpt2 import TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
@@ -230,8 +231,15 @@ def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None =
 
 
 def vnni_rows() -> bool:
-    """Whether Int8Linear runs duolm.int8_kernel's AVX512-VNNI kernel here (the CPU has it and it builds)."""
-    return int8_kernel.available(_cpuinfo("flags") or "")
+    """Whether Int8Linear runs duolm.kernels' int8 kernel here: the CPU has AVX512-VNNI and the kernels build."""
+    flags = _cpuinfo("flags") or ""
+    return kernels.int8_supported(flags) and kernels.available(flags)
+
+
+def fp32_kernel() -> bool:
+    """Whether KernelLinear runs fp32 here: an Intel CPU with AVX-512 where duolm.kernels build (a rule, as
+    fp32_engine(); on other vendors' CPUs oneDNN runs every product, which the kernel was not measured against)."""
+    return _cpuinfo("vendor_id") == "GenuineIntel" and kernels.available(_cpuinfo("flags") or "")
 
 
 def amx_int8() -> bool:
@@ -323,6 +331,30 @@ class PackedLinear(nn.Module):
                f"bias={self.bias is not None}, kernel=onednn fp32, rows={self.rows.__name__}"
 
 
+KERNEL_ROWS = 32
+
+
+class KernelLinear(nn.Module):
+    """y = x W^T + b in exact fp32 (within ~1e-6), where fp32_kernel(): up to KERNEL_ROWS rows (decoding, short prompts)
+    on duolm.kernels' fp32 kernel, W packed once, faster there than MKL's F.linear and oneDNN (PackedLinear); longer
+    inputs, training forwards and forwards under torch.compile through F.linear on W (MKL)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight.detach())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+        self.register_buffer("packed", kernels.pack_fp32(weight))
+
+    def forward(self, x):
+        if x.numel() > KERNEL_ROWS * x.shape[-1] or _plain(x):
+            return F.linear(x, self.weight, self.bias)
+        return kernels.fp32_linear(x, self.packed, self.bias, self.weight.shape[0])
+
+    def extra_repr(self):
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
+               f"bias={self.bias is not None}, kernel=duolm fp32 up to {KERNEL_ROWS} rows, F.linear above"
+
+
 class BF16Linear(nn.Module):
     """y = float(bf16(x) bf16(W)^T) + b: the product in bf16 (fp32 sums) on a bf16 copy of W, made once; input and
     output fp32. On CPUs that compute bf16 natively (native_bf16) the copy is also packed once into oneDNN's layout
@@ -372,7 +404,7 @@ def _(x, module, out_features):
 
 class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 rows with a scale each (int8_rows), each input row quantized to uint8 by its own
-    min and max. Fewer than WIDE_ROWS rows: where the CPU has AVX512-VNNI (vnni_rows()), duolm.int8_kernel's kernel in
+    min and max. Fewer than WIDE_ROWS rows: where the CPU has AVX512-VNNI (vnni_rows()), duolm.kernels' int8 kernel in
     one call. Elsewhere, and from WIDE_ROWS rows, row_affine around torch's x86 dynamic int8 kernel, which adds b
     (under torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable): fbgemm's
     packed weight, or from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles (amx_int8; kernel())."""
@@ -385,7 +417,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
         bias = None if bias is None else bias.detach().float()
         self.register_buffer("bias", bias)
-        self.register_buffer("packed_rows", int8_kernel.pack(q) if vnni_rows() else None)
+        self.register_buffer("packed_rows", kernels.pack_int8(q) if vnni_rows() else None)
         quantized = _works("int8")
         self.packed_wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
         few = self.packed_rows is None or self.packed_wide is None        # fbgemm's kernel runs some row counts
@@ -421,7 +453,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         if self.packed_rows is not None and x.numel() < WIDE_ROWS * x.shape[-1]:
-            return int8_kernel.linear(x, self.packed_rows, self.scale, self.row_sums, self.bias)
+            return kernels.int8_linear(x, self.packed_rows, self.scale, self.row_sums, self.bias)
         return row_affine(self.matmul, self.row_sums, x, self.bias)
 
     def extra_repr(self):
@@ -441,6 +473,8 @@ def _swap(precision: str, device: torch.device):
     if precision == "bf16":
         return BF16Linear
     if precision == "fp32":
+        if device.type == "cpu" and fp32_kernel():
+            return KernelLinear
         if device.type == "cpu" and fp32_engine() == "onednn":
             return functools.partial(PackedLinear, rows=fp32_rows())
         return None
@@ -462,4 +496,4 @@ def quantize(model: nn.Module, precision: str) -> nn.Module:
     return model.eval()
 
 
-SWAPPED = (PackedLinear, BF16Linear, Int8Linear)
+SWAPPED = (KernelLinear, PackedLinear, BF16Linear, Int8Linear)
