@@ -1,7 +1,8 @@
 """duolm vs CTranslate2 vs transformers on one CPU, the same random weights (saved once by transformers).
 
   * GPT-2 124M greedy decoding: a 32-token prompt, 128 new tokens (no early end), batch 1 and 8, in fp32
-    (duolm: duolm.precision.quantize(model, "fp32"), oneDNN on packed weights where fp32_engine() picks it;
+    (duolm: duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on few rows where fp32_kernel(),
+    else oneDNN on packed weights where fp32_engine() picks it;
     CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8); duolm's bf16 beside them (CTranslate2 has none on CPUs);
@@ -56,7 +57,7 @@ from duolm.checkpoint import load
 from duolm.generation import generate
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
-from duolm.precision import PackedLinear, _onednn, _pack, fp32_engine, machine, quantize
+from duolm.precision import SWAPPED, _onednn, _pack, fp32_engine, fp32_kernel, machine, quantize
 
 PROMPT = 32
 PRODUCTS = "duolm fp32, products alone"       # the matrix products of decoding without the rest
@@ -242,7 +243,7 @@ def token_products(model, steps: int, rows: int = 1):
     """A function that runs the matrix products of `steps` decoding steps at batch `rows` and nothing else: every
     linear layer of `model` (a GPT-2 swapped by duolm.precision.quantize: decoding's own path), the tied output layer
     included, on `rows` rows each."""
-    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, TiedLinear, PackedLinear))]
+    layers = [m for m in model.modules() if isinstance(m, (torch.nn.Linear, TiedLinear, *SWAPPED))]
     xs = {m.weight.shape[1]: torch.randn(rows, m.weight.shape[1]) for m in layers}
 
     def run():
@@ -294,7 +295,7 @@ def main():
     huge = not args.default_malloc and huge_pages()
     torch.set_num_threads(args.threads)
     m = machine()
-    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32 engine: {fp32_engine()}; "
+    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32: {'duolm.kernels' if fp32_kernel() else fp32_engine()}; "
           f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept, huge pages (duolm.malloc): "
           f"{kept}, {huge}")
     out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "huge_pages": huge, "decode": {},
