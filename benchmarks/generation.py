@@ -3,8 +3,9 @@
 Same weights on both sides (copied with duolm.convert.hf), a 32-token prompt, 128 new tokens, greedy,
 batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm plain fp32        generate() on the model as it is: PyTorch's F.linear (MKL)
-  duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): oneDNN on packed weights on x86 CPUs (on
-                          Intel's for 4-32 rows: fp32_rows) (`duolm generate`'s CPU default); the same ids
+  duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on up to 32 rows
+                          on Intel's CPUs with AVX-512, oneDNN on packed weights on other x86 CPUs (fp32_kernel,
+                          fp32_rows) (`duolm generate`'s CPU default); the same ids
   transformers fp32       GPT2LMHeadModel.generate
   duolm quantize(int8)    int8 / bf16 linears (`duolm generate --precision int8 / bf16`): narrow
   duolm quantize(bf16)    weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
