@@ -37,7 +37,7 @@ def test_worked_examples():
 def test_int8_kernel_is_its_formula(n, k):
     """GPT-2 124M's shapes (the tied output layer's padded 50,304 rows included) and widths that are no multiple of 16
     outputs or 4 inputs (the packing's zero padding), with and without a bias, from 1 to 41 rows (whole and partial
-    tiles of 8): reference()'s numbers within float rounding of the output's scale."""
+    tiles of 8): int8_reference()'s numbers within float rounding of the output's scale."""
     torch.manual_seed(n + k)
     for bias in (True, False):
         q, scale, row_sums, b = _weights(n, k, bias)
@@ -52,7 +52,8 @@ def test_int8_kernel_is_its_formula(n, k):
 @vnni
 def test_int8_constant_rows_and_shapes():
     """A constant row (span 0: every u8 0) gives its value times the row sums plus the bias, exactly as the
-    reference; a 3-D input keeps its leading shape; no row gives an empty result."""
+    reference; a 3-D input keeps its leading shape; no rows give an empty result; a width the weight was not
+    packed for is an error."""
     torch.manual_seed(0)
     q, scale, row_sums, b = _weights(48, 40)
     packed = kernels.pack_int8(q)
@@ -141,7 +142,7 @@ def test_without_avx512_or_without_a_build_torchs_kernels_run(monkeypatch):
     monkeypatch.setattr(precision, "_cpuinfo", lambda field: {"flags": flags, "vendor_id": "GenuineIntel"}.get(field))
     q = Int8Linear(torch.randn(32, 16), None)
     assert q.packed_rows is None and (q.packed is not None) == precision._works("int8")
-    assert not precision.fp32_kernel() and not isinstance(precision._swap("fp32", torch.device("cpu")), type)
+    assert not precision.fp32_kernel() and precision._swap("fp32", torch.device("cpu")) is not KernelLinear
 
 
 @fp32

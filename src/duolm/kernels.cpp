@@ -14,6 +14,7 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cfloat>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -22,13 +23,27 @@ constexpr int64_t AHEAD = 24;     // lines prefetched ahead on each weight strea
 
 __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
-// tile(p, m0, mr) for every pair p of 16-output blocks (split between the threads) and chunk of up to 8 rows; a
-// chunk's rows lie interleaved ([chunk][k][row] floats, [chunk][k / 4][row] 4-byte words).
+template <int R> using Rows = std::integral_constant<int, R>;
+
+// tile(p, m0, Rows<mr>) for every pair p of 16-output blocks (split between the threads) and chunk of mr <= 8 rows
+// from m0, mr a compile-time constant (the tile's accumulators stay in registers); a chunk's rows lie interleaved
+// ([chunk][k][row] floats, [chunk][k / 4][row] 4-byte words).
 template <class F>
 void for_tiles(int64_t M, int64_t NB, F tile) {
   at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) tile(p, m0, std::min<int64_t>(8, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        switch (std::min<int64_t>(8, M - m0)) {
+          case 1: tile(p, m0, Rows<1>{}); break;
+          case 2: tile(p, m0, Rows<2>{}); break;
+          case 3: tile(p, m0, Rows<3>{}); break;
+          case 4: tile(p, m0, Rows<4>{}); break;
+          case 5: tile(p, m0, Rows<5>{}); break;
+          case 6: tile(p, m0, Rows<6>{}); break;
+          case 7: tile(p, m0, Rows<7>{}); break;
+          default: tile(p, m0, Rows<8>{});
+        }
+      }
   });
 }
 
@@ -83,21 +98,10 @@ at::Tensor fp32_linear(const at::Tensor& x_, const at::Tensor& packed, const c10
   float* yp = y.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for_tiles(M, NB, [&](int64_t p, int64_t m0, int64_t mr) {
+  for_tiles(M, NB, [&](int64_t p, int64_t m0, auto mr) {
     const float* w0 = wp + 2 * p * K * 16;
     const float* w1 = 2 * p + 1 < NB ? w0 + K * 16 : w0;
-    const float* xr = tp + m0 * K;
-    float* yr = yp + m0 * N;
-    switch (mr) {
-      case 1: fp32_tile<1>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 2: fp32_tile<2>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 3: fp32_tile<3>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 4: fp32_tile<4>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 5: fp32_tile<5>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 6: fp32_tile<6>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      case 7: fp32_tile<7>(xr, K, w0, w1, 32 * p, N, bp, yr); break;
-      default: fp32_tile<8>(xr, K, w0, w1, 32 * p, N, bp, yr);
-    }
+    fp32_tile<decltype(mr)::value>(tp + m0 * K, K, w0, w1, 32 * p, N, bp, yp + m0 * N);
   });
   return y;
 }
@@ -200,22 +204,11 @@ VNNI at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, cons
   const float* sp = scale.data_ptr<float>();
   const float* rs = row_sums.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
-  for_tiles(M, NB, [&](int64_t p, int64_t m0, int64_t mr) {
+  for_tiles(M, NB, [&](int64_t p, int64_t m0, auto mr) {
     const int8_t* w0 = wp + 2 * p * KG * 64;
     const int8_t* w1 = 2 * p + 1 < NB ? w0 + KG * 64 : w0;
-    const int32_t* xr = reinterpret_cast<const int32_t*>(qp + m0 * KG * 4);
-    const float *l = lo.data() + m0, *st = step.data() + m0;
-    float* yr = yp + m0 * N;
-    switch (mr) {
-      case 1: int8_tile<1>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 2: int8_tile<2>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 3: int8_tile<3>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 4: int8_tile<4>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 5: int8_tile<5>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 6: int8_tile<6>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      case 7: int8_tile<7>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr); break;
-      default: int8_tile<8>(xr, KG, w0, w1, 32 * p, N, l, st, sp, rs, bp, yr);
-    }
+    int8_tile<decltype(mr)::value>(reinterpret_cast<const int32_t*>(qp + m0 * KG * 4), KG, w0, w1, 32 * p, N,
+                                   lo.data() + m0, step.data() + m0, sp, rs, bp, yp + m0 * N);
   });
   return y;
 }
