@@ -6,6 +6,8 @@
     CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8); duolm's bf16 beside them (CTranslate2 has none on CPUs);
+    duolm fp32 and int8 each eager (generate's default) and compiled (generate(compile=True): the static-shape step
+    of duolm.generation.static, compiled in the warm-up before the rounds; its seconds printed apart);
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel) and
     in int8 (duolm and CTranslate2, as for decoding);
   * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
@@ -55,6 +57,7 @@ import torch
 
 from duolm.checkpoint import load
 from duolm.generation import generate
+from duolm.generation.static import decoder_of
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
 from duolm.precision import SWAPPED, _onednn, _pack, fp32_engine, fp32_kernel, machine, quantize
@@ -165,10 +168,10 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ct2_prompts = [[vocab[i] for i in p] for p in prompts]
     fp32, int8, bf16 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8", "bf16"))
 
-    def duolm(model):
+    def duolm(model, compile=False):
         def run():
             with torch.inference_mode():
-                return [list(row) for row in zip(*generate(model, prompts, new, temperature=0))]
+                return [list(row) for row in zip(*generate(model, prompts, new, temperature=0, compile=compile))]
         return run
 
     def ctranslate(q):
@@ -185,9 +188,12 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
                                   max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
             return out[:, PROMPT:].tolist()
 
-    engines = {"duolm fp32": duolm(fp32), "CTranslate2 fp32": ctranslate("float32"), "transformers fp32": hf,
-               "duolm int8": duolm(int8), "CTranslate2 int8": ctranslate("int8"), "duolm bf16": duolm(bf16)}
-    ids = {k: f() for k, f in engines.items()}          # also the warm-up
+    engines = {"duolm fp32": duolm(fp32), "duolm fp32 compiled": duolm(fp32, True),
+               "CTranslate2 fp32": ctranslate("float32"), "transformers fp32": hf, "duolm int8": duolm(int8),
+               "duolm int8 compiled": duolm(int8, True), "CTranslate2 int8": ctranslate("int8"),
+               "duolm bf16": duolm(bf16)}
+    ids = {k: f() for k, f in engines.items()}          # also the warm-up (and the compilation of the static steps)
+    compile_s = {k: decoder_of(m).compile_s for k, m in (("fp32", fp32), ("int8", int8))}
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
     # in the same rounds: what duolm's fp32 rate would be with nothing but products, and at batch 1 the bandwidth
@@ -200,7 +206,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     times = _rounds(engines, rounds)
     for worker in ct2.values():
         worker.close()
-    return times, same
+    return times, same, compile_s
 
 
 def encoder_rows(folder, bert_hf, rounds, threads, batch=32, length=128):
@@ -306,7 +312,7 @@ def main():
         weight_bytes = 4 * (sum(p.numel() for n, p in gpt_hf.named_parameters() if p.dim() == 2 and "wpe" not in n))
         print(f"\nGPT-2 124M greedy, {PROMPT}-token prompt, {args.new_tokens} new tokens, median of {args.rounds} rounds")
         for batch in (1, 8):
-            times, same = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
+            times, same, compile_s = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
             if batch == 1:
                 gbs = (1 << 30) / times.pop(READ) / 1e9
                 bounds = {"fp32": gbs * 1e9 / weight_bytes, "bf16": gbs * 1e9 / (weight_bytes / 2),
@@ -316,18 +322,24 @@ def main():
                       f"{weight_bytes / 1e6:.0f} MB -> batch-1 bound {bounds['fp32']:.1f} tokens/s; bf16 weights "
                       f"(a half) -> {bounds['bf16']:.1f}; int8 weights (a quarter) -> {bounds['int8']:.1f}")
             tps = {k: batch * args.new_tokens / t for k, t in times.items()}
-            out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same}
+            out["decode"][batch] = {"tokens_per_s": tps, "greedy_ids_equal_to_transformers": same,
+                                    "compile_s": compile_s}
             for k, v in tps.items():
                 kind = next(p for p in ("int8", "bf16", "fp32") if p in k)
                 extra = f"  ({100 * v / bounds[kind]:.0f}% of the {kind} bound)" if batch == 1 else ""
                 ids = f"greedy ids as transformers': {100 * same[k]:5.1f}%" if k in same else \
                     f"every weight once a step, {batch} row{'s' * (batch > 1)}"
-                print(f"  batch {batch}  {k:<18} {v:8.1f} tokens/s; {ids}{extra}")
-            print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x, "
-                  f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x; duolm bf16 / duolm fp32 "
+                print(f"  batch {batch}  {k:<19} {v:8.1f} tokens/s; {ids}{extra}")
+            print(f"  batch {batch}  the compiled steps' compilation (before the rounds): fp32 {compile_s['fp32']:.1f} s, "
+                  f"int8 {compile_s['int8']:.1f} s")
+            print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x "
+                  f"(compiled {tps['duolm fp32 compiled'] / tps['CTranslate2 fp32']:.2f}x), "
+                  f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x "
+                  f"(compiled {tps['duolm int8 compiled'] / tps['CTranslate2 int8']:.2f}x); duolm bf16 / duolm fp32 "
                   f"{tps['duolm bf16'] / tps['duolm fp32']:.2f}x (CTranslate2 has no bf16 on CPUs); "
                   f"duolm / transformers fp32 "
-                  f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (the products alone "
+                  f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (compiled "
+                  f"{tps['duolm fp32 compiled'] / tps['transformers fp32']:.2f}x, the products alone "
                   f"{tps[PRODUCTS] / tps['transformers fp32']:.2f}x)")
             step, products = (1e3 * times[k] / args.new_tokens for k in ("duolm fp32", PRODUCTS))
             print(f"  batch {batch}  duolm fp32 a step {step:.1f} ms: its products {products:.1f} ms, the rest "

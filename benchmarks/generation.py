@@ -6,6 +6,9 @@ batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on up to 32 rows
                           on Intel's CPUs with AVX-512, oneDNN on packed weights on other x86 CPUs (fp32_kernel,
                           fp32_rows) (`duolm generate`'s CPU default); the same ids
+  duolm quantize(fp32) compiled, duolm quantize(int8) compiled
+                          the same models through generate(compile=True): duolm.generation.static's step, compiled
+                          in the warm-up (the seconds printed)
   transformers fp32       GPT2LMHeadModel.generate
   duolm quantize(int8)    int8 / bf16 linears (`duolm generate --precision int8 / bf16`): narrow
   duolm quantize(bf16)    weights and matmul inputs; LayerNorms, softmax and the KV cache stay fp32
@@ -43,6 +46,7 @@ import torch
 
 from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
+from duolm.generation.static import decoder_of
 from duolm.models import GPT2, GPT2Config
 from duolm.precision import BF16Linear, fp32_engine, fp32_kernel, machine, quantize
 
@@ -71,10 +75,10 @@ def bytes_per_token(model, ctx, width=4):
     return width * matrices + 4 * (rest + 2 * cfg.n_layer * ctx * cfg.n_embd)
 
 
-def ours_run(model, prompts, new):
+def ours_run(model, prompts, new, compile=False):
     with torch.inference_mode():
         out = [[] for _ in prompts]
-        for step in generate(model, prompts, new, temperature=0):
+        for step in generate(model, prompts, new, temperature=0, compile=compile):
             for i, x in enumerate(step):
                 out[i].append(x)
         return out
@@ -154,12 +158,18 @@ def main():
     for B in (1, 8):
         prompts = prompts8[:B]
         runs = {k: functools.partial(ours_run, model, prompts) for k, model in models.items()}
+        for p in ("fp32", "int8"):
+            runs[f"duolm quantize({p}) compiled"] = functools.partial(ours_run, models[f"duolm quantize({p})"],
+                                                                      prompts, compile=True)
         runs["transformers fp32"] = functools.partial(hf_run, hf, prompts)
-        for run in runs.values():                        # warm-up: packing, kernel choice, allocator
-            run(4)
+        for k, run in runs.items():                      # warm-up: packing, kernel choice, allocator, compilation
+            run(N if "compiled" in k else 4)
+        print(f"\nbatch {B}: the compiled steps' compilation (in the warm-up): " + ", ".join(
+            f"{p} {decoder_of(models[f'duolm quantize({p})']).compile_s:.1f} s" for p in ("fp32", "int8")))
         times, ids = rounds(runs, N, args.rounds)
         results[B] = {k: B * N / t for k, t in times.items()}
-        same = ids["duolm plain fp32"] == ids["duolm quantize(fp32)"] == ids["transformers fp32"]
+        same = ids["duolm plain fp32"] == ids["duolm quantize(fp32)"] == ids["duolm quantize(fp32) compiled"] \
+            == ids["transformers fp32"]
         print(f"\nbatch {B}: the fp32 rows give the same ids: {same}", flush=True)
         if "duolm bf16 on F.linear" in ids:
             print(f"batch {B}: the bf16 rows give the same ids: "
@@ -167,14 +177,14 @@ def main():
     bw = max(bw, bandwidth_gbs())            # measured before and after the runs; the better one
     print(f"\nread bandwidth (1 GiB sum) {bw:.1f} GB/s; batch-1 bound = bandwidth / bytes per token "
           f"(mean context {P + N // 2})")
-    print(f"{'row':<24} {'precision':>9} {'b1 tok/s':>9} {'b1 ratio':>9} {'b1 % bound':>10} {'b8 tok/s':>9} "
+    print(f"{'row':<30} {'precision':>9} {'b1 tok/s':>9} {'b1 ratio':>9} {'b1 % bound':>10} {'b8 tok/s':>9} "
           f"{'b8 ratio':>9}   ratio against")
     for k in results[1]:
         precision = re.search("fp32|bf16|int8", k).group()
         base = "duolm quantize(fp32)" if precision in ("int8", "bf16") else "transformers fp32"
         bound = bw * 1e9 / bytes_per_token(ours, P + N // 2, WIDTH[precision])
         r1, r8 = (results[B][k] / results[B][base] for B in (1, 8))
-        print(f"{k:<24} {precision:>9} {results[1][k]:>9.1f} {r1:>8.2f}x {100 * results[1][k] / bound:>9.0f}% "
+        print(f"{k:<30} {precision:>9} {results[1][k]:>9.1f} {r1:>8.2f}x {100 * results[1][k] / bound:>9.0f}% "
               f"{results[8][k]:>9.1f} {r8:>8.2f}x   {base if k != base else ''}")
 
     test_txt = DATA / "wikitext-2" / "test.txt"

@@ -164,8 +164,8 @@ def test_fp32_kernel_is_f_linear(n, k):
 @fp32
 def test_kernel_linear_runs_the_kernel_up_to_kernel_rows(monkeypatch):
     """quantize(model, "fp32") swaps in KernelLinear here: up to KERNEL_ROWS rows on the kernel, more (and training
-    forwards) through F.linear, its bits; a GPT-2's logits within 1e-5 of the plain model's, also under torch.compile
-    (F.linear inside the graph)."""
+    forwards) through F.linear, its bits; a GPT-2's logits within 1e-5 of the plain model's, and under torch.compile
+    the kernel's bits (its operator inside the graph)."""
     from duolm.models import GPT2, GPT2Config
 
     torch.manual_seed(0)
@@ -193,6 +193,75 @@ def test_kernel_linear_runs_the_kernel_up_to_kernel_rows(monkeypatch):
     idx = torch.randint(0, 97, (2, 12))
     with torch.no_grad():
         want = model(idx)
-        torch.testing.assert_close(fast(idx), want, atol=1e-5, rtol=0)
+        got = fast(idx)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         compiled = torch.compile(fast, fullgraph=True, dynamic=False, backend="aot_eager")(idx)
-    torch.testing.assert_close(compiled, want, atol=1e-5, rtol=0)
+    assert torch.equal(compiled, got)               # the kernel's bits: the operator inside the graph, not F.linear
+
+
+# ---- one-query attention ---------------------------------------------------------------------------------------
+
+attention = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: duolm.kernels' attention does "
+                               "not run here (the static step's formula in torch ops and SDPA run instead)")
+
+
+@attention
+@pytest.mark.parametrize("B,H,L,D", [(1, 12, 100, 64), (8, 12, 160, 64), (2, 3, 1, 20), (3, 2, 40, 33)])
+def test_one_query_attention_is_sdpa(B, H, L, D):
+    """PyTorch's SDPA on the same q, k, v and bool mask (each row with columns hidden anywhere, one row's mask for
+    every row, no mask), k and v slices of a longer cache as decoding passes them; head sizes that are no multiple
+    of 16 floats: the same numbers within float rounding."""
+    torch.manual_seed(B * L + D)
+    cache_k, cache_v = torch.randn(2, B, H, L + 7, D).unbind(0)
+    k, v, q = cache_k[:, :, :L], cache_v[:, :, :L], torch.randn(B, H, 1, D) * 3
+    masks = torch.rand(B, 1, 1, L) < 0.7
+    masks[..., -1] = True                                  # every row sees a column (its own, in decoding)
+    for mask in (masks, masks[:1], None):
+        got = kernels.one_query_attention(q, k, v, mask)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="mask bool"):
+        kernels.one_query_attention(q, k, v, masks.float())
+
+
+@attention
+def test_one_query_attention_reads_only_the_columns_shown(monkeypatch):
+    """Columns the mask hides are never read (NaN there changes nothing: a static step's unwritten cache), and a row
+    that sees no column gets NaN, as the formula's softmax over -inf alone (gpt2.one_query_attention, the kernel off)."""
+    from duolm.models import gpt2
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, 1, 16), torch.randn(2, 3, 9, 16), torch.randn(2, 3, 9, 16)
+    mask = torch.zeros(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :5] = True
+    got = kernels.one_query_attention(q, k, v, mask)
+    k[:, :, 5:], v[:, :, 5:] = float("nan"), float("nan")
+    assert torch.equal(kernels.one_query_attention(q, k, v, mask)[0], got[0])
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    want = gpt2.one_query_attention(q, k.nan_to_num(), v.nan_to_num(), mask)
+    torch.testing.assert_close(got[0], want[0], atol=2e-6, rtol=1e-5)
+    assert want[1].isnan().all() and got[1].isnan().all()
+
+
+@attention
+@pytest.mark.parametrize("precision_", ["fp32", "int8"])
+def test_decoding_with_the_attention_kernel_is_decoding_without(monkeypatch, precision_):
+    """generate(), eager and compiled, left-padded prompts of different lengths, greedy: the same ids with the kernel
+    as with PyTorch's attention (eager: SDPA; compiled: the formula in torch ops), and the next logits within float
+    rounding."""
+    from duolm.generation import generate
+    from duolm.models import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    model = precision.quantize(GPT2(GPT2Config(vocab_size=97, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval(),
+                               precision_)
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
+
+    def ids(compile):
+        with torch.inference_mode():
+            return list(generate(model, prompts, 12, temperature=0, compile=compile))
+    with_kernel = ids(False), ids(True)
+    monkeypatch.setattr(kernels, "ready", lambda: False)
+    torch.compiler.reset()                  # the compiled step took ready() as a constant: compile it again
+    assert (ids(False), ids(True)) == with_kernel
+    torch.compiler.reset()

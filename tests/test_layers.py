@@ -13,9 +13,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 # top-level part of duolm -> layer (DESIGN's layers, numbered finer: cli wires the demo and the server)
 LAYERS = {
-    "duolm.fileio": 0, "duolm.config": 0, "duolm.metrics": 0, "duolm.malloc": 0,
+    "duolm.fileio": 0, "duolm.config": 0, "duolm.metrics": 0, "duolm.malloc": 0, "duolm.kernels": 0,
     "duolm.tokenizers": 1, "duolm.models": 1, "duolm.runs": 1, "duolm.hub": 1, "duolm.objectives": 1,
-    "duolm.kernels": 1,
     "duolm.convert": 2, "duolm.data": 2, "duolm.generation": 2, "duolm.precision": 2, "duolm.dcp": 2,
     "duolm.checkpoint": 3, "duolm.textgen": 3,
     "duolm.tasks": 4, "duolm.evaluation": 4,

@@ -14,12 +14,14 @@
 #include <immintrin.h>
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t AHEAD = 24;     // lines prefetched ahead on each weight stream
+constexpr int64_t PF = 16;
 
 __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
@@ -213,14 +215,109 @@ VNNI at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, cons
   return y;
 }
 
+
+// ---- one-query attention ---------------------------------------------------------------------------------------
+
+// exp(x) for x <= 0 (clamped at -87.3, where expf reaches FLT_MIN): 2^n p(r), n = round(x log2(e)), r = x - n ln(2)
+// in two parts, p Cephes' expf polynomial (within 2 ulp of expf).
+__m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// softmax(q k^T / sqrt(D) under mask) v for one query a row: q (B, H, 1, D), k and v (B, H, L, D), mask bool
+// (B or 1, 1, 1, L) or none -> (B, H, 1, D). Each (row, head) reads only the keys and values of the columns its mask
+// shows, each once: the scores, then their softmax, then the weighted sum of the values. No column shown: NaN (as
+// softmax over nothing but -inf).
+at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const c10::optional<at::Tensor>& mask) {
+  for (const at::Tensor* t : {&q, &k, &v})
+    TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1,
+                "one_query_attention: q, k, v 4-D fp32, each row of head_dim contiguous");
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(q.size(2) == 1 && k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
+              "one_query_attention: q (B, H, 1, D), k and v (B, H, L, D)");
+  TORCH_CHECK(!mask.has_value() || (mask->dim() == 4 && mask->scalar_type() == at::kBool &&
+              (mask->size(0) == B || mask->size(0) == 1) && mask->size(1) == 1 && mask->size(2) == 1 &&
+              mask->size(3) == L), "one_query_attention: mask bool (B or 1, 1, 1, L)");
+  auto y = at::empty({B, H, 1, D}, q.options());
+  const float scale = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+  const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
+  const int64_t mb = mask.has_value() && mask->size(0) > 1 ? mask->stride(0) : 0, mj = mp ? mask->stride(3) : 0;
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(L + 16);
+    std::vector<int64_t> cols(L);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H;
+      const float* qr = qp + b * q.stride(0) + h * q.stride(1);
+      const float* kr = kp + b * k.stride(0) + h * k.stride(1);
+      const float* vr = vp + b * v.stride(0) + h * v.stride(1);
+      float* out = yp + t * D;
+      int64_t n = 0;
+      float top = -INFINITY;
+      for (int64_t j = 0; j < L; ++j) {
+        if (mp && !mp[b * mb + j * mj]) continue;
+        for (int64_t d = 0; d < D; d += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(kr + (j + PF) * k.stride(2) + d), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(vr + (j + PF) * v.stride(2) + d), _MM_HINT_T1);
+        }
+        __m512 dot = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 keep = lanes(D - d);
+          dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, qr + d),
+                                _mm512_maskz_loadu_ps(keep, kr + j * k.stride(2) + d), dot);
+        }
+        s[n] = _mm512_reduce_add_ps(dot) * scale;
+        top = std::max(top, s[n]);
+        cols[n++] = j;
+      }
+      if (n == 0) {
+        std::fill(out, out + D, NAN);
+        continue;
+      }
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 keep = lanes(n - i);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s.data() + i), _mm512_set1_ps(top)));
+        _mm512_mask_storeu_ps(s.data() + i, keep, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));
+      }
+      const float total = _mm512_reduce_add_ps(sum);
+      std::fill(out, out + D, 0.0f);
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 w = _mm512_set1_ps(s[i] / total);
+        const float* row = vr + cols[i] * v.stride(2);
+        for (int64_t d = 0; d < D; d += 16) {
+          const __mmask16 keep = lanes(D - d);
+          _mm512_mask_storeu_ps(out + d, keep, _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, row + d),
+                                                               _mm512_maskz_loadu_ps(keep, out + d)));
+        }
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(duolm_cpu, m) {
   m.def("fp32_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor row_sums, Tensor? bias, int N) -> Tensor");
+  m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duolm_cpu, CPU, m) {
   m.impl("fp32_linear", &fp32_linear);
   m.impl("int8_linear", &int8_linear);
+  m.impl("one_query_attention", &one_query_attention);
 }

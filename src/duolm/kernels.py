@@ -31,6 +31,16 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]     # -fopenmp: at::parallel_for's threads; int8's own target: VNNI
 
 
+@functools.cache
+def cpuinfo(field: str) -> str | None:
+    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), None where there is none."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), None)
+    except OSError:
+        return None
+
+
 def supported(flags: str) -> bool:
     """Whether a CPU with these /proc/cpuinfo `flags` runs the kernels: x86-64 with AVX-512F, and torch dispatching
     its AVX-512 kernels (not held to AVX2 by ATEN_CPU_CAPABILITY)."""
@@ -67,7 +77,14 @@ def available(flags: str) -> bool:
     torch.library.register_fake("duolm_cpu::fp32_linear")(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("duolm_cpu::int8_linear")(
         lambda x, packed, scale, row_sums, bias, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("duolm_cpu::one_query_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
     return True
+
+
+@torch.compiler.assume_constant_result      # a compiled graph takes the answer as a constant
+def ready() -> bool:
+    """Whether the kernels run on this CPU: available() for its flags."""
+    return available(cpuinfo("flags") or "")
 
 
 def pack_fp32(w: torch.Tensor) -> torch.Tensor:
@@ -123,3 +140,10 @@ def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_su
     u8 = torch.round((x - lo) * torch.full_like(span, 255.0).div(span))    # (255 / span is 255 * (1 / span))
     y = (u8.double() @ q.double().T) * (span / 255.0).double() * scale.double() + lo.double() * row_sums.double()
     return (y if bias is None else y + bias.double()).float()
+
+
+def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd) under mask) v for one query a row, fp32 (available() first): q (B, nh, 1, hd), k and v
+    (B, nh, L, hd) with rows of hd contiguous (slices of a cache), mask bool (B or 1, 1, 1, L) or None (every column)
+    -> (B, nh, 1, hd). Only the columns a row's mask shows are read."""
+    return torch.ops.duolm_cpu.one_query_attention(q, k, v, mask)

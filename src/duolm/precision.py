@@ -45,20 +45,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
+from duolm.kernels import cpuinfo as _cpuinfo
 from duolm.models.gpt2 import TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
 TRAINING = ("auto", "fp32", "bf16")
-
-
-@functools.cache
-def _cpuinfo(field: str) -> str | None:
-    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), None where there is none."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), None)
-    except OSError:
-        return None
 
 
 def native_bf16(device) -> bool:
@@ -336,8 +327,8 @@ KERNEL_ROWS = 32
 
 class KernelLinear(nn.Module):
     """y = x W^T + b in exact fp32 (within ~1e-6), where fp32_kernel(): up to KERNEL_ROWS rows (decoding, short prompts)
-    on duolm.kernels' fp32 kernel, W packed once, faster there than MKL's F.linear and oneDNN (PackedLinear); longer
-    inputs, training forwards and forwards under torch.compile through F.linear on W (MKL)."""
+    on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once, faster there than MKL's
+    F.linear and oneDNN (PackedLinear); longer inputs and training forwards through F.linear on W (MKL)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -346,7 +337,7 @@ class KernelLinear(nn.Module):
         self.register_buffer("packed", kernels.pack_fp32(weight))
 
     def forward(self, x):
-        if x.numel() > KERNEL_ROWS * x.shape[-1] or _plain(x):
+        if x.numel() > KERNEL_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, self.bias)
         return kernels.fp32_linear(x, self.packed, self.bias, self.weight.shape[0])
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from duolm import kernels
 from duolm.models.dropout import Dropout, attention
 
 
@@ -151,6 +152,13 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------
 # Causal self-attention
 
+def kernel_attends(q, k, v) -> bool:
+    """Whether one query's attention runs as kernels.one_query_attention: fp32 on a CPU where duolm.kernels run, no
+    gradient asked for."""
+    return q.device.type == "cpu" and {q.dtype, k.dtype, v.dtype} == {torch.float32} and not q.requires_grad \
+        and kernels.ready()
+
+
 def one_query_attention(q, k, v, mask) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) under mask) v for one query a row, as products and sums in fp32: q (B, nh, 1, hd),
     k and v (B, nh, L, hd), mask bool (B, 1, 1, L) -> (B, nh, 1, hd) in v's dtype. A static decode step's attention
@@ -160,7 +168,12 @@ def one_query_attention(q, k, v, mask) -> torch.Tensor:
 
     With hd = 2, one row, one head, L = 3 columns of which the last is masked, q = [2, 0], keys [1, 0], [0, 1], [5, 5]:
     scores [2, 0] / sqrt(2) = [1.414, 0], softmax [0.804, 0.196], so values [1, 1], [3, 5], [9, 9] give
-    0.804 [1, 1] + 0.196 [3, 5] = [1.39, 1.78]."""
+    0.804 [1, 1] + 0.196 [3, 5] = [1.39, 1.78].
+
+    Where kernel_attends(), the formula is one call, kernels.one_query_attention, which reads the keys and values of
+    the columns the mask shows and no others (the eager decoding step's attention there too)."""
+    if kernel_attends(q, k, v):
+        return kernels.one_query_attention(q, k, v, mask)
     scores = (q.float() * k.float()).sum(-1) * q.shape[-1] ** -0.5                   # (B, nh, L)
     weights = scores.masked_fill(~mask[:, :, 0], float("-inf")).softmax(-1)
     return (weights[..., None] * v.float()).sum(-2, keepdim=True).to(v.dtype)
@@ -195,9 +208,12 @@ class Attention(nn.Module):
                 k_buf[:, :, past:past + T] = k
                 v_buf[:, :, past:past + T] = v
                 k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
-            # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
-            # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
-            y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal=mask is None and T > 1)
+            if T == 1 and kv is not None and kernel_attends(q, k, v):
+                y = kernels.one_query_attention(q, k, v, mask)      # decoding on the CPU: the cache read once
+            else:
+                # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
+                # with a past, GPT2 builds the mask except for T == 1, where every key is visible.
+                y = attention(q, k, v, mask, self.dropout if self.training else 0.0, is_causal=mask is None and T > 1)
         y = self.c_proj(y.transpose(1, 2).reshape(B, T, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
