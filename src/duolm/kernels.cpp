@@ -1,5 +1,5 @@
-// duolm's two CPU kernels (duolm/kernels.py builds and loads this file), products of a few rows x (M, K) fp32 with a
-// weight W (N, K) packed in blocks of 16 outputs, each block's column streamed once for all the rows (up to 8 at a
+// duolm's CPU kernels for decoding (duolm/kernels.py builds and loads this file). Two are products of a few rows
+// x (M, K) fp32 with a weight W (N, K) packed in blocks of 16 outputs, each block's column streamed once for all the rows (up to 8 at a
 // time), two blocks a step, the next lines prefetched: decoding reads every weight once a token.
 //   fp32_linear: y = x W^T + b, fp32 sums (the dot products in k's order). AVX-512F.
 //   int8_linear: W int8 rows with a scale each; each row of x quantized on its own,
@@ -8,6 +8,7 @@
 //   acc the exact int32 sum over k of u8 * W, row_sums[n] the sum over k of W * scale. AVX512-VNNI (vpdpbusd: four
 //   u8 x s8 pairs a 32-bit lane), compiled for it alone (the target attribute): the file loads on any AVX-512 CPU.
 // Layouts (kernels.pack_fp32, kernels.pack_int8): fp32 [N/16][K][16], int8 [N/16][K/4][16][4], zero-padded.
+// The third, one_query_attention, is one query a row over a KV cache, reading only the columns its mask shows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -21,7 +22,7 @@
 namespace {
 
 constexpr int64_t AHEAD = 24;     // lines prefetched ahead on each weight stream
-constexpr int64_t PF = 16;
+constexpr int64_t PF = 16;        // rows of keys and values prefetched ahead (attention)
 
 __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
@@ -214,7 +215,6 @@ VNNI at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, cons
   });
   return y;
 }
-
 
 // ---- one-query attention ---------------------------------------------------------------------------------------
 

@@ -1,7 +1,10 @@
-"""duolm's CPU kernels, kernels.cpp: products of the few rows decoding multiplies (a token of each sequence), each
-weight packed once so that one pass over it serves every row, its next lines prefetched. Built by torch's C++
-extension loader the first time a process needs them (~20 s; cached after, under torch's extensions folder), where
-the CPU has AVX-512 (available()); duolm.precision's PackedLinear and Int8Linear run them.
+"""duolm's CPU kernels for decoding, kernels.cpp: products of the few rows decoding multiplies (a token of each
+sequence), each weight packed once so that one pass over it serves every row, its next lines prefetched, and one
+query's attention over a KV cache. Built by torch's C++ extension loader the first time a process needs them (~20 s;
+cached after, under torch's extensions folder), where the CPU has AVX-512 (available(); ready() on this CPU);
+duolm.precision's KernelLinear and Int8Linear run the products, GPT-2's decoding step the attention
+(duolm.models.gpt2.kernel_attends). Each is an operator (duolm_cpu::...) with a shape function, which compiled graphs
+call as it is.
 
 fp32_linear(x, pack_fp32(W), b) = x W^T + b in fp32 (the sums in k's order: F.linear's numbers to float rounding).
 
