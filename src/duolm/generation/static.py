@@ -31,7 +31,7 @@ MIN_CACHE = 64          # the shortest cache length; longer ones double up to bl
 MIN_PROMPT = 16         # the shortest bucketed prompt length
 # inductor's options for the step and the prefill: the compiled code does not check each input's sizes and strides
 # at every call (inductor's size_asserts; a step's inputs are the same tensors at every call, and dynamo's guards have
-# checked them: ~300 Python calls a GPT-2 124M step, which a CPU's step pays for, a CUDA graph's replay not)
+# checked them: 275 Python calls a GPT-2 124M step, which a CPU's step pays for, a CUDA graph's replay not)
 LEAN = {"size_asserts": False}
 
 
