@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
-from duolm.generation import generate
+from duolm import precision
+from duolm.generation import generate, static
 from duolm.generation.static import (_DECODERS, StaticDecoder, advance, cache_length, decoder_of, own_code,
                                     prompt_length)
 from duolm.models import GPT2, GPT2Config, KVCache
@@ -119,29 +120,63 @@ def test_static_step_fills_the_window_as_the_eager_path():
     assert [r.value for r in want[1]] == ["context", "context"]
 
 
-def test_compiled_step_gives_the_eager_ids_and_compiles_once():
-    """torch.compile(fullgraph) of the step: the eager ids for 128 greedy steps and for seeded sampling; a second
-    and a third generation in the same (batch, cache length) bucket, other prompts and lengths, reuse the step:
-    nothing is built or compiled again (dynamo's graph count unchanged)."""
+def built():
+    """What has been compiled in this process: dynamo's graphs, AOTInductor's packages."""
+    return counters["stats"]["unique_graphs"], sum(len(v) for v in static._PACKAGES.values())
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch):
+    """The compiled step, on the CPU compiled ahead of time by AOTInductor (where torch.export can trace the model) or
+    by torch.compile(fullgraph) (where it cannot: an `exportable` False): the eager ids for 128 greedy steps and for
+    seeded sampling; a second and a third generation in the same (batch, cache length) bucket, other prompts and
+    lengths, reuse the step: nothing is built or compiled again (one package or one graph in all)."""
+    if not ahead:
+        monkeypatch.setattr(static, "exportable", lambda model: False)
     torch.manual_seed(0)
-    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=256)))
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=256, n_layer=3)))       # a structure of its own
     prompts = prompts_of(3, seed=0, vocab=512)
-    before = counters["stats"]["unique_graphs"]
+    before = built()
     assert ids(model, prompts, 128, True, temperature=0) == ids(model, prompts, 128, False, temperature=0)
     dec = decoder_of(model)
-    built, graphs = dec.built, counters["stats"]["unique_graphs"]
-    assert built == 1 and graphs == before + 1 and dec.compile_s > 0      # one graph for all 127 steps
+    after = built()
+    assert dec.ahead == ahead and dec.built == 1 and dec.compile_s > 0
+    assert after == (before[0], before[1] + 1) if ahead else (before[0] + 1, before[1])   # one for all 127 steps
     for seed in (1, 2):
         other = prompts_of(3, seed=seed, vocab=512)
         kw = dict(generator=torch.Generator().manual_seed(seed), **SAMPLING)
         assert ids(model, other, 120, True, **kw) == ids(model, other, 120, False,
                                                          **{**kw, "generator": torch.Generator().manual_seed(seed)})
-    assert (dec.built, counters["stats"]["unique_graphs"]) == (built, graphs)
+    assert (dec.built, built()) == (1, after)
 
 
-def test_models_of_other_shapes_compile_steps_of_their_own():
+@pytest.mark.skipif(not precision.fp32_kernel(), reason="KernelLinear's kernel does not run on this CPU")
+def test_ahead_of_time_steps_serve_ranges_of_batches():
+    """AOTInductor's steps: batch 1 a package of its own; batch 3 one whose batch is dynamic up to KERNEL_ROWS (fp32's
+    KernelLinear runs F.linear above it: export bounds the range), which batch 5 reuses; a model of the same structure
+    loads the packages, compiling nothing; the eager ids at each batch and cache length."""
+    from duolm.precision import KERNEL_ROWS
+
+    torch.manual_seed(0)
+    model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=128))), "fp32")
+    before = built()
+    for B, n in ((1, 20), (3, 100), (5, 30)):
+        prompts = prompts_of(B, seed=B, vocab=512)
+        assert ids(model, prompts, n, True, temperature=0) == ids(model, prompts, n, False, temperature=0)
+    assert built() == (before[0], before[1] + 2)
+    ranges = [r[:2] for r in static._PACKAGES[(repr(model), 128)]]
+    assert ranges == [(1, 1), (2, KERNEL_ROWS)]
+    twin = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=128)), seed=1), "fp32")
+    prompts = prompts_of(4, seed=9, vocab=512)
+    assert ids(twin, prompts, 30, True, temperature=0) == ids(twin, prompts, 30, False, temperature=0)
+    assert built() == (before[0], before[1] + 2) and decoder_of(twin).built == 1
+
+
+def test_models_of_other_shapes_compile_steps_of_their_own(monkeypatch):
     """Dynamo keeps a bounded number of graphs for each code object (8; 1 here): each structure of model has a step
-    function of its own, so a process decodes models of any number of shapes; models of one shape share theirs."""
+    function of its own, so a process decodes models of any number of shapes; models of one shape share theirs (the
+    torch.compile route: an `exportable` False)."""
+    monkeypatch.setattr(static, "exportable", lambda model: False)
     a, b = (sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=n))) for n in (1, 2))
     assert own_code(advance, a) is own_code(advance, sharpen(GPT2(GPT2Config.preset("tiny", block_size=64, n_layer=1))))
     assert own_code(advance, a).__code__ is not own_code(advance, b).__code__
@@ -165,10 +200,8 @@ def test_a_decoder_does_not_keep_its_model_alive():
 
 def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear: every product on x86 CPUs other
-    than Intel's): the compiled step traces F.linear (inductor cannot lower a weight packed outside it) and gives the
-    eager ids."""
-    from duolm import precision
-
+    than Intel's): torch.export cannot trace the packed weight, so the step is torch.compile's, which traces F.linear
+    (inductor cannot lower a weight packed outside it), and gives the eager ids."""
     monkeypatch.setattr(precision, "fp32_kernel", lambda: False)
     monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
     monkeypatch.setattr(precision, "fp32_rows", lambda: precision.onednn_rows)
@@ -176,18 +209,18 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
     prompts = prompts_of(2, seed=3, vocab=512)
     assert ids(model, prompts, 40, True, temperature=0) == ids(model, prompts, 40, False, temperature=0)
+    assert not decoder_of(model).ahead
 
 
 @pytest.mark.parametrize("vnni", [False, True])
 def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
-    """A model swapped by quantize(model, "int8"): the compiled step calls its int8 kernel as an operator, torch's x86
-    kernel as duolm::int8_linear (rows mapped by row_affine inside the graph) or, where the CPU has AVX512-VNNI,
-    duolm.kernels's as duolm_int8::linear, never the formula in public ops (int8_matmul: float64 products, far
-    slower), and gives the eager int8 ids for 3 prompts. A deep copy's linears are operators' modules of their own,
-    and it decodes through the same graph."""
+    """A model swapped by quantize(model, "int8"): the compiled step calls its int8 kernel as an operator: torch's x86
+    kernel as duolm::int8_linear (rows mapped by row_affine inside the graph) in torch.compile's step (torch.export
+    cannot trace its packed weight) or, where the CPU has AVX512-VNNI, duolm.kernels's as duolm_cpu::int8_linear in
+    AOTInductor's; never the formula in public ops (int8_matmul: float64 products, far slower); the eager int8 ids for
+    3 prompts. A deep copy's linears are operators' modules of their own, and it decodes through the same graph or
+    package: nothing is compiled again."""
     import copy
-
-    from duolm import precision
 
     if vnni and not precision.vnni_rows():
         pytest.skip("this CPU lacks AVX512-VNNI: duolm.kernels's kernel does not run here")
@@ -207,6 +240,18 @@ def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
     copies = [m for m in other.modules() if isinstance(m, precision.Int8Linear)]
     assert all(precision._INT8[int(c.number)] is c for c in copies)
     assert not {int(c.number) for c in copies} & {int(m.number) for m in linears}
-    graphs = counters["stats"]["unique_graphs"]
+    before = built()
     assert ids(other, prompts, 40, True, temperature=0) == want
-    assert counters["stats"]["unique_graphs"] == graphs
+    assert built() == before and decoder_of(other).ahead == vnni
+
+
+def test_an_ahead_of_time_step_refuses_strided_buffers():
+    """A step compiled ahead of time reads its inputs as laid out when compiled (contiguous): a server's ids and
+    positions as two columns of one tensor would be read wrong, so bind() refuses them before building anything."""
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=64)))
+    dec = StaticDecoder(model)
+    both = torch.zeros(2, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="contiguous"):
+        dec.bind(KVCache(model.config, 2, max_len=64), both[:, :1], both[:, 1:], torch.zeros(1, dtype=torch.long),
+                 torch.zeros(2, 64, dtype=torch.bool))
+    assert dec.ahead and dec.built == 0

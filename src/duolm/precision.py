@@ -304,6 +304,8 @@ class PackedLinear(nn.Module):
     a product of m rows run at rows(m) rows (fp32_rows()); where rows(m) is None through F.linear on W, as are
     training forwards (autograd on) and forwards under torch.compile (inductor lowers only weights it packed)."""
 
+    exportable = False          # torch.export cannot trace oneDNN's packed weight (an opaque tensor) among its buffers
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows=onednn_rows):
         super().__init__()
         self.register_buffer("weight", weight.detach())
@@ -370,6 +372,12 @@ class BF16Linear(nn.Module):
         y = y.float()
         return y if self.bias is None else y + self.bias
 
+    @property
+    def exportable(self) -> bool:
+        """Whether torch.export can trace this module: not with oneDNN's packed copy (an opaque tensor) among its
+        buffers."""
+        return self.packed is None
+
     def extra_repr(self):
         kernel = "onednn bf16 packed" if self.packed is not None else "F.linear bf16"
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
@@ -410,10 +418,22 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", bias)
         self.register_buffer("packed_rows", kernels.pack_int8(q) if vnni_rows() else None)
         quantized = _works("int8")
-        self.packed_wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
-        few = self.packed_rows is None or self.packed_wide is None        # fbgemm's kernel runs some row counts
-        self.packed = _int8_pack(q, scale, bias) if quantized and few else None
+        wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
+        few = self.packed_rows is None or wide is None              # fbgemm's kernel runs some row counts
+        # the engines' packed weights are TorchScript objects, which torch.export cannot trace: held in a tuple (export
+        # gathers a module's own attributes, not what they hold), read through packed_wide and packed
+        self._packs = (wide, _int8_pack(q, scale, bias) if quantized and few else None)
         self._register()
+
+    @property
+    def packed_wide(self):
+        """oneDNN's packed weight (run from WIDE_ROWS rows where the CPU has AMX int8 tiles), or None."""
+        return self._packs[0]
+
+    @property
+    def packed(self):
+        """The x86 dynamic int8 engine's packed weight (fbgemm's), or None."""
+        return self._packs[1]
 
     def _register(self):
         n = next(_NUMBERS)
@@ -442,8 +462,14 @@ class Int8Linear(nn.Module):
             return _int8_op(v, self.number, self.qweight.shape[0])
         return self.kernel(v)
 
+    @property
+    def exportable(self) -> bool:
+        """Whether torch.export can trace this module (duolm.generation.static's ahead-of-time step): where duolm's
+        kernel runs it, at every row count then; torch's packed weights are TorchScript objects it cannot call."""
+        return self.packed_rows is not None
+
     def forward(self, x):
-        if self.packed_rows is not None and x.numel() < WIDE_ROWS * x.shape[-1]:
+        if self.packed_rows is not None and (torch.compiler.is_exporting() or x.numel() < WIDE_ROWS * x.shape[-1]):
             return kernels.int8_linear(x, self.packed_rows, self.scale, self.row_sums, self.bias)
         return row_affine(self.matmul, self.row_sums, x, self.bias)
 

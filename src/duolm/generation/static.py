@@ -11,15 +11,20 @@ tensors the step advances itself, so a step is one graph replay and no Python in
                                        pos += 1; at += 1
 
 generate's prefill stays eager (once per generation), writing into the same cache. A StaticDecoder keeps one compiled
-step per model and one captured graph per (batch, cache length) bucket, reused across generations. It also prefills
-one prompt at a time at bucketed lengths (16, 32, ... up to block_size: the prompt right-padded, which causal
-attention keeps from its real positions), compiled and on CUDA replayed as a graph: what a server runs for every
-joining request (duolm.serve.scheduler), where an eager prefill would launch a forward's ~200 operations one by one.
+step per model and one captured graph per (batch, cache length) bucket, reused across generations. On the CPU, where
+there is no graph to replay, the step is compiled ahead of time instead (AheadOfTime: torch.export, then AOTInductor's
+C++ library, one for batch 1 and one for a range of batches, at every cache length): a torch.compile'd step's Python
+wrapper and dynamo's checks of its inputs (every weight, every cache) are time a CPU step spends outside its kernels
+(docs/benchmarks.md). A StaticDecoder also prefills one prompt at a time at bucketed lengths (16, 32, ... up to
+block_size: the prompt right-padded, which causal attention keeps from its real positions), compiled and on CUDA
+replayed as a graph: what a server runs for every joining request (duolm.serve.scheduler), where an eager prefill
+would launch a forward's ~200 operations one by one.
 """
 from __future__ import annotations
 
 import time
 import types
+import warnings
 import weakref
 from collections import OrderedDict
 
@@ -197,15 +202,88 @@ class StaticPrefill:
         return h[:, :P], [t[:, :, :P] for t in k], [t[:, :, :P] for t in v]
 
 
+class _Step(torch.nn.Module):
+    """advance() over `model`, the cache as two tuples of tensors: the module torch.export traces."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, pos, at, keys, k, v):
+        return advance(self.model, types.SimpleNamespace(k=list(k), v=list(v)), ids, pos, at, keys)
+
+
+_PACKAGES: dict = {}        # (print(model), block_size) -> [(fewest rows, most rows, AOTInductor package file)]
+
+
+def _package(model, batch: int) -> str:
+    """An AOTInductor package of the step that runs `batch` rows, compiled on first need: torch.export traces advance()
+    at `batch` rows with the batch and the cache's length dynamic where the model lets them be (a batch of 1 stays 1;
+    a module that branches on its rows, as KernelLinear at KERNEL_ROWS, bounds the batch), and AOTInductor compiles it
+    into a C++ library, its constants left out (the model's own tensors are loaded into it). Kept in a process for
+    each structure of model (print(model)) and range of batches."""
+    key = (repr(model), model.config.block_size)
+    for lo, hi, path in _PACKAGES.get(key, []):
+        if lo <= batch <= hi:
+            return path
+    with torch.inference_mode(False), torch.no_grad():          # export traces tensors made outside inference mode
+        ex = StaticStep.allocate(model, advance, batch, cache_length(1, model.config.block_size))
+        Dim = torch.export.Dim
+        auto, length, n = Dim.AUTO if batch > 1 else Dim.STATIC, Dim.AUTO, len(ex.cache.k)
+        program = torch.export.export(
+            _Step(model), (ex.ids, ex.pos, ex.at, ex.keys, tuple(ex.cache.k), tuple(ex.cache.v)), strict=False,
+            dynamic_shapes=({0: auto}, {0: auto}, None, {0: auto, 1: length}, ({0: auto, 2: length},) * n,
+                            ({0: auto, 2: length},) * n))
+    rows = next(node for node in program.graph.nodes if node.op == "placeholder"
+                and node.name == program.graph_signature.user_inputs[0]).meta["val"].shape[0]
+    bounds = program.range_constraints.get(rows.node.expr) if isinstance(rows, torch.SymInt) else None
+    lo, hi = (batch, batch) if bounds is None else (int(bounds.lower), float(bounds.upper))
+    path = torch._inductor.aoti_compile_and_package(
+        program, inductor_configs={"aot_inductor.package_constants_in_so": False})
+    _PACKAGES.setdefault(key, []).append((lo, hi, path))
+    return path
+
+
+class AheadOfTime:
+    """The step of `batch` rows compiled ahead of time by AOTInductor (_package), for every cache length: the whole
+    step in C++, no Python between its kernels and no guards to check (what a torch.compile'd step pays at every
+    call), its constants the model's own tensors, loaded, not copied. Called as advance (model, cache, ids, pos, at,
+    keys; the model is the one loaded)."""
+
+    def __init__(self, model, batch: int):
+        with warnings.catch_warnings():     # torch's own use of a deprecated pytree name, as it reads the package
+            warnings.simplefilter("ignore", FutureWarning)
+            self.runner = torch._inductor.aoti_load_package(_package(model, batch))
+        step = _Step(model)
+        # kept here: the runner holds their pointers only (user_managed)
+        self.tensors = dict(step.named_parameters()) | dict(step.named_buffers())
+        self.runner.load_constants({name: self.tensors[name] for name in self.runner.get_constant_fqns()},
+                                   check_full_update=True, user_managed=True)
+
+    def __call__(self, model, cache, ids, pos, at, keys) -> torch.Tensor:
+        return self.runner(ids, pos, at, keys, tuple(cache.k), tuple(cache.v))
+
+
+def exportable(model) -> bool:
+    """Whether torch.export can trace `model`'s step: no module of it says it cannot (an `exportable` False, as
+    duolm.precision's Int8Linear on torch's packed int8 weights)."""
+    return all(getattr(m, "exportable", True) for m in model.modules())
+
+
 class StaticDecoder:
-    """The static steps of one GPT-2: compiled once (torch.compile, fullgraph), one StaticStep per (batch, cache
-    length) bucket, kept across generations (the `max_steps` most recent), and one StaticPrefill per bucketed prompt
-    length. `compile_s` counts the seconds spent building them (compiling, warming up, capturing); `built` how many
-    were built."""
+    """The static steps of one GPT-2: compiled once (torch.compile, fullgraph; on the CPU ahead of time where
+    torch.export can trace the model: `ahead`), one StaticStep per (batch, cache length) bucket, kept across
+    generations (the `max_steps` most recent), and one StaticPrefill per bucketed prompt length (torch.compile's).
+    `compile_s` counts the seconds spent building them (compiling, warming up, capturing); `built` how many were
+    built."""
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
-        self._fn = torch.compile(own_code(advance, model), fullgraph=True, options=LEAN) if compile else advance
+        # on the CPU, the steps compiled ahead of time (one for each batch), where torch.export can trace the model
+        self.ahead = compile and device_dtype(model)[0].type == "cpu" and exportable(model)
+        self._fn = torch.compile(own_code(advance, model), fullgraph=True, options=LEAN) \
+            if compile and not self.ahead else advance
+        self._ahead_fns: dict = {}                  # batch -> its AheadOfTime step
         self._compile = compile
         self._prefills: dict = {}                   # bucketed prompt length -> StaticPrefill
         self._steps: OrderedDict = OrderedDict()
@@ -222,13 +300,21 @@ class StaticDecoder:
         self.built += 1
         return step
 
+    def _step_fn(self, batch: int):
+        """The step function of `batch` rows: an AheadOfTime step (built on first use, then kept) or the shared one."""
+        if not self.ahead:
+            return self._fn
+        if batch not in self._ahead_fns:
+            self._ahead_fns[batch] = AheadOfTime(self._model(), batch)
+        return self._ahead_fns[batch]
+
     def get(self, batch: int, needed: int) -> StaticStep:
         """The step for `batch` rows and at least `needed` cache columns, with buffers of its own (built on first
         use, then kept)."""
         model = self._model()
         key = (batch, cache_length(needed, model.config.block_size))
         if key not in self._steps:
-            self._steps[key] = self._build(lambda: StaticStep.allocate(model, self._fn, *key))
+            self._steps[key] = self._build(lambda: StaticStep.allocate(model, self._step_fn(batch), *key))
             while len(self._steps) > self.max_steps:
                 self._steps.popitem(last=False)
         self._steps.move_to_end(key)
@@ -247,8 +333,12 @@ class StaticDecoder:
         return self._prefills[length](prompt)
 
     def bind(self, cache, ids, pos, at, keys) -> StaticStep:
-        """A step over the caller's buffers (a server's batch: views of its first rows); built, not kept."""
-        return self._build(lambda: StaticStep(self._model(), self._fn, cache, ids, pos, at, keys))
+        """A step over the caller's buffers (a server's batch: views of its first rows); built, not kept. An
+        ahead-of-time step reads its inputs in the layout it was compiled for: contiguous."""
+        if self.ahead and not all(t.is_contiguous() for t in (ids, pos, at, keys, *cache.k, *cache.v)):
+            raise ValueError("a step compiled ahead of time runs on contiguous buffers: ids, pos, at, keys and the "
+                             "cache's tensors")
+        return self._build(lambda: StaticStep(self._model(), self._step_fn(ids.shape[0]), cache, ids, pos, at, keys))
 
 
 _DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -147,7 +147,8 @@ class Scheduler:
         self._L = 0
         self._static = decoder_of(model) if compile and not batch_invariant else None
         self._steps: dict = {}           # compile: batch bucket -> StaticStep over the current cache's first rows
-        self._ids = torch.zeros(max_batch, 2, dtype=torch.long, device=self.device)   # compile: ids, positions
+        # compile: the ids (0) and positions (1), each row's first B contiguous (as an ahead-of-time step reads them)
+        self._ids = torch.zeros(2, max_batch, 1, dtype=torch.long, device=self.device)
         self._at = torch.zeros(1, dtype=torch.long, device=self.device)
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -438,11 +439,11 @@ class Scheduler:
     def _step_static(self, B: int, L: int) -> torch.Tensor:
         """The eager step's logits (B, V) from the static step of the smallest bucket holding B rows: its ids and
         positions (each row's real tokens) written in, the new column L."""
-        self._ids[:B].copy_(torch.tensor([[r.tokens[-1], r.n] for r in self._rows]))
+        self._ids[:, :B].copy_(torch.tensor([[[r.tokens[-1]] for r in self._rows], [[r.n] for r in self._rows]]))
         self._at.fill_(L)
         Bb = min(self.max_batch, 1 << (B - 1).bit_length())
         if Bb not in self._steps:               # built over column L, which this step writes anyway
-            self._steps[Bb] = self._static.bind(self._rows_view(Bb), self._ids[:Bb, :1], self._ids[:Bb, 1:],
+            self._steps[Bb] = self._static.bind(self._rows_view(Bb), self._ids[0, :Bb], self._ids[1, :Bb],
                                                 self._at, self._mask[:Bb])
         return self._steps[Bb].step()[:B]
 
