@@ -255,3 +255,16 @@ def test_an_ahead_of_time_step_refuses_strided_buffers():
         dec.bind(KVCache(model.config, 2, max_len=64), both[:, :1], both[:, 1:], torch.zeros(1, dtype=torch.long),
                  torch.zeros(2, 64, dtype=torch.bool))
     assert dec.ahead and dec.built == 0
+
+
+@pytest.mark.parametrize("B", [1, 8])
+def test_compiled_step_of_gpt2_124m_shapes_gives_the_eager_ids(B):
+    """GPT-2 124M's matrices (768 wide, 12 heads, the 50,257-token vocabulary; 2 of its 12 layers, a short window),
+    random and swapped for the CPU's fp32 kernels: the compiled step (ahead of time on the CPU) gives the eager ids,
+    greedy and with seeded sampling, for prompts of different lengths."""
+    torch.manual_seed(0)
+    model = precision.quantize(sharpen(GPT2(GPT2Config.preset("gpt2", block_size=64, n_layer=2))), "fp32")
+    prompts = prompts_of(B, seed=B, vocab=model.config.vocab_size)
+    assert ids(model, prompts, 12, True, temperature=0) == ids(model, prompts, 12, False, temperature=0)
+    assert ids(model, prompts, 12, True, generator=torch.Generator().manual_seed(7), **SAMPLING) == \
+        ids(model, prompts, 12, False, generator=torch.Generator().manual_seed(7), **SAMPLING)

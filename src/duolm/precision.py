@@ -372,11 +372,7 @@ class BF16Linear(nn.Module):
         y = y.float()
         return y if self.bias is None else y + self.bias
 
-    @property
-    def exportable(self) -> bool:
-        """Whether torch.export can trace this module: not with oneDNN's packed copy (an opaque tensor) among its
-        buffers."""
-        return self.packed is None
+    exportable = property(lambda self: self.packed is None)   # torch.export: not with oneDNN's copy (opaque tensor)
 
     def extra_repr(self):
         kernel = "onednn bf16 packed" if self.packed is not None else "F.linear bf16"
@@ -420,20 +416,14 @@ class Int8Linear(nn.Module):
         quantized = _works("int8")
         wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
         few = self.packed_rows is None or wide is None              # fbgemm's kernel runs some row counts
-        # the engines' packed weights are TorchScript objects, which torch.export cannot trace: held in a tuple (export
-        # gathers a module's own attributes, not what they hold), read through packed_wide and packed
+        # the engines' packed weights (TorchScript objects) in a tuple: torch.export gathers a module's own attributes
         self._packs = (wide, _int8_pack(q, scale, bias) if quantized and few else None)
         self._register()
 
-    @property
-    def packed_wide(self):
-        """oneDNN's packed weight (run from WIDE_ROWS rows where the CPU has AMX int8 tiles), or None."""
-        return self._packs[0]
-
-    @property
-    def packed(self):
-        """The x86 dynamic int8 engine's packed weight (fbgemm's), or None."""
-        return self._packs[1]
+    packed_wide = property(lambda self: self._packs[0], doc="oneDNN's packed weight (AMX int8 tiles), or None")
+    packed = property(lambda self: self._packs[1], doc="the x86 dynamic int8 engine's packed weight, or None")
+    # torch.export (the CPU's ahead-of-time step) traces it where duolm's kernel runs it, then at every row count
+    exportable = property(lambda self: self.packed_rows is not None)
 
     def _register(self):
         n = next(_NUMBERS)
@@ -461,12 +451,6 @@ class Int8Linear(nn.Module):
         if torch.compiler.is_compiling():
             return _int8_op(v, self.number, self.qweight.shape[0])
         return self.kernel(v)
-
-    @property
-    def exportable(self) -> bool:
-        """Whether torch.export can trace this module (duolm.generation.static's ahead-of-time step): where duolm's
-        kernel runs it, at every row count then; torch's packed weights are TorchScript objects it cannot call."""
-        return self.packed_rows is not None
 
     def forward(self, x):
         if self.packed_rows is not None and (torch.compiler.is_exporting() or x.numel() < WIDE_ROWS * x.shape[-1]):

@@ -179,7 +179,8 @@ def add_generate(sub):
     p.add_argument("--allow-special", action="store_true",
                    help="encode special tokens typed in the prompt (<|endoftext|>) as special, not as text")
     p.add_argument("--compile", action="store_true",
-                   help="decode through one static-shape step compiled with torch.compile (a CUDA graph on GPUs); "
+                   help="decode through one static-shape step compiled with torch.compile (a CUDA graph on GPUs; "
+                        "ahead of time by AOTInductor on CPUs); "
                         "pays a compilation first (printed), see docs/benchmarks.md for when it pays")
     add_precision(p)
     p.set_defaults(func=cmd_generate)

@@ -53,8 +53,9 @@ class ServeConfig:
                 "it (one forward per sequence and step instead of one per step)"})
     compile: bool | None = field(default=None, metadata={
         "help": "decode GPT-2 through one static-shape step compiled with torch.compile, a CUDA graph on GPUs, per "
-                "batch size bucket (1, 2, 4, ...); the first batches of each size pay the compilation (GET /metrics: "
-                "compile_s). Default: on with --device cuda (several times faster there), off on the CPU (there 1.1-1.2x, "
+                "batch size bucket (1, 2, 4, ...); on CPUs compiled ahead of time (AOTInductor: one for batch 1, one "
+                "for a range of batches); the first batches of each size pay the compilation (GET /metrics: "
+                "compile_s). Default: on with --device cuda (several times faster there), off on the CPU (faster "
                 "after about a minute of compilation for GPT-2 124M: docs/benchmarks.md)"})
     precision: str = field(default="auto", metadata={
         "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the CPU's fastest kernels (oneDNN on "

@@ -147,8 +147,7 @@ class Scheduler:
         self._L = 0
         self._static = decoder_of(model) if compile and not batch_invariant else None
         self._steps: dict = {}           # compile: batch bucket -> StaticStep over the current cache's first rows
-        # compile: the ids (0) and positions (1), each row's first B contiguous (as an ahead-of-time step reads them)
-        self._ids = torch.zeros(2, max_batch, 1, dtype=torch.long, device=self.device)
+        self._ids = torch.zeros(2, max_batch, 1, dtype=torch.long, device=self.device)  # compile: ids, positions
         self._at = torch.zeros(1, dtype=torch.long, device=self.device)
         self._thread: threading.Thread | None = None
         self._stopping = False
