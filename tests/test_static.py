@@ -141,7 +141,7 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch)
     dec = decoder_of(model)
     after = built()
     assert dec.ahead == ahead and dec.built == 1 and dec.compile_s > 0
-    assert after == (before[0], before[1] + 1) if ahead else (before[0] + 1, before[1])   # one for all 127 steps
+    assert after == ((before[0], before[1] + 1) if ahead else (before[0] + 1, before[1]))   # one for all 127 steps
     for seed in (1, 2):
         other = prompts_of(3, seed=seed, vocab=512)
         kw = dict(generator=torch.Generator().manual_seed(seed), **SAMPLING)
