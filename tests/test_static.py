@@ -153,8 +153,8 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch)
 @pytest.mark.skipif(not precision.fp32_kernel(), reason="KernelLinear's kernel does not run on this CPU")
 def test_ahead_of_time_steps_serve_ranges_of_batches():
     """AOTInductor's steps: batch 1 a package of its own; batch 3 one whose batch is dynamic up to KERNEL_ROWS (fp32's
-    KernelLinear runs F.linear above it: export bounds the range), which batch 5 reuses; a model of the same structure
-    loads the packages, compiling nothing; the eager ids at each batch and cache length."""
+    KernelLinear runs F.linear above it: export bounds the range), which batch 5 reuses (its runner too); a model of
+    the same structure loads the packages, compiling nothing; the eager ids at each batch and cache length."""
     from duolm.precision import KERNEL_ROWS
 
     torch.manual_seed(0)
@@ -165,7 +165,7 @@ def test_ahead_of_time_steps_serve_ranges_of_batches():
         assert ids(model, prompts, n, True, temperature=0) == ids(model, prompts, n, False, temperature=0)
     assert built() == (before[0], before[1] + 2)
     ranges = [r[:2] for r in static._PACKAGES[(repr(model), 128)]]
-    assert ranges == [(1, 1), (2, KERNEL_ROWS)]
+    assert ranges == [(1, 1), (2, KERNEL_ROWS)] and len(decoder_of(model)._ahead_fns) == 2   # a runner a package
     twin = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=128)), seed=1), "fp32")
     prompts = prompts_of(4, seed=9, vocab=512)
     assert ids(twin, prompts, 30, True, temperature=0) == ids(twin, prompts, 30, False, temperature=0)

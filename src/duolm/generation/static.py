@@ -245,15 +245,15 @@ def _package(model, batch: int) -> str:
 
 
 class AheadOfTime:
-    """The step of `batch` rows compiled ahead of time by AOTInductor (_package), for every cache length: the whole
-    step in C++, no Python between its kernels and no guards to check (what a torch.compile'd step pays at every
-    call), its constants the model's own tensors, loaded, not copied. Called as advance (model, cache, ids, pos, at,
-    keys; the model is the one loaded)."""
+    """The step compiled ahead of time by AOTInductor (a _package: its batches, every cache length): the whole step
+    in C++, no Python between its kernels and no guards to check (what a torch.compile'd step pays at every call),
+    its constants the model's own tensors, loaded, not copied. Called as advance (model, cache, ids, pos, at, keys;
+    the model is the one loaded)."""
 
-    def __init__(self, model, batch: int):
+    def __init__(self, model, package: str):
         with warnings.catch_warnings():     # torch's own use of a deprecated pytree name, as it reads the package
             warnings.simplefilter("ignore", FutureWarning)
-            self.runner = torch._inductor.aoti_load_package(_package(model, batch))
+            self.runner = torch._inductor.aoti_load_package(package)
         step = _Step(model)
         # kept here: the runner holds their pointers only (user_managed)
         self.tensors = dict(step.named_parameters()) | dict(step.named_buffers())
@@ -279,11 +279,11 @@ class StaticDecoder:
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
-        # on the CPU, the steps compiled ahead of time (one for each batch), where torch.export can trace the model
+        # on the CPU, the steps compiled ahead of time (a runner per package), where torch.export can trace the model
         self.ahead = compile and device_dtype(model)[0].type == "cpu" and exportable(model)
         self._fn = torch.compile(own_code(advance, model), fullgraph=True, options=LEAN) \
             if compile and not self.ahead else advance
-        self._ahead_fns: dict = {}                  # batch -> its AheadOfTime step
+        self._ahead_fns: dict = {}                  # package -> its AheadOfTime step
         self._compile = compile
         self._prefills: dict = {}                   # bucketed prompt length -> StaticPrefill
         self._steps: OrderedDict = OrderedDict()
@@ -301,12 +301,14 @@ class StaticDecoder:
         return step
 
     def _step_fn(self, batch: int):
-        """The step function of `batch` rows: an AheadOfTime step (built on first use, then kept) or the shared one."""
+        """The step function of `batch` rows: the AheadOfTime step of its package (loaded on first use, then kept) or
+        the shared one."""
         if not self.ahead:
             return self._fn
-        if batch not in self._ahead_fns:
-            self._ahead_fns[batch] = AheadOfTime(self._model(), batch)
-        return self._ahead_fns[batch]
+        package = _package(self._model(), batch)
+        if package not in self._ahead_fns:
+            self._ahead_fns[package] = AheadOfTime(self._model(), package)
+        return self._ahead_fns[package]
 
     def get(self, batch: int, needed: int) -> StaticStep:
         """The step for `batch` rows and at least `needed` cache columns, with buffers of its own (built on first
