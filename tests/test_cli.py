@@ -55,3 +55,12 @@ def test_tokenizer_errors_say_what_to_do(tmp_path, capsys):
         main(["tokenizer", "train", "--kind", "bpe", "--vocab-size", "300", str(tmp_path / "missing.txt"), "-o", str(tmp_path / "t")])
     assert e.value.code == 2
     assert "missing.txt" in capsys.readouterr().err
+
+
+def test_wordpiece_trains_on_a_lone_combining_mark(tmp_path, capsys):
+    """Issue 63's reproduction: a word of U+103A alone, which lowercasing empties, once ended in an IndexError."""
+    path = tmp_path / "burma.txt"
+    path.write_text("The Mongol invasions of Burma \u103a were a series.\nof military conflicts in Burma\n", encoding="utf-8")
+    main(["tokenizer", "train", "--kind", "wordpiece", "--vocab-size", "80", str(path), "-o", str(tmp_path / "tok")])
+    tok = load_tokenizer(tmp_path / "tok")
+    assert "\u103a" not in "".join(tok.vocab) and tok.tokenize("burma \u103a") == tok.tokenize("burma")

@@ -495,7 +495,59 @@ def test_safe_chunks_on_real_data(toks, data_dir):
         ours.safe_chunks(text, 0)
 
 
-@pytest.mark.parametrize("texts", [[], [""], [" \n\t\x00"], ["a b c"], ["ab cd"]])
+def hf_words(texts, lowercase) -> list[str]:
+    """The words HF tokenizers' WordPieceTrainer counts: BertNormalizer, then BertPreTokenizer; it skips empty ones."""
+    from tokenizers import normalizers, pre_tokenizers
+    norm, pre = normalizers.BertNormalizer(lowercase=lowercase), pre_tokenizers.BertPreTokenizer()
+    return [w for t in texts for w, _ in pre.pre_tokenize_str(norm.normalize_str(t)) if w]
+
+
+def check_trains_like_hf(texts, lowercase, held_out=()):
+    """WordPiece.train on `texts`: its single characters are HF's alphabet (each also as "##c"), training fails
+    only where HF's words hold no pair to merge, and the trained tokenizer encodes every text as HF's encoder
+    (the `tokenizers` library) with the same vocabulary: ids and offsets."""
+    from tokenizers import BertWordPieceTokenizer
+    words = hf_words(texts, lowercase)
+    alphabet = {c for w in words for c in w}
+    if not any(len(w) > 1 for w in words):
+        with pytest.raises(ValueError, match="nothing was learned"):
+            WordPiece.train(texts, vocab_size=len(SPECIALS) + 2 * len(alphabet) + 1, lowercase=lowercase, min_frequency=1)
+        return
+    ours = WordPiece.train(texts, vocab_size=len(SPECIALS) + 2 * len(alphabet) + 20, lowercase=lowercase, min_frequency=1)
+    assert {t for t in ours.vocab if len(t) == 1} == alphabet and all("##" + c in ours.vocab for c in alphabet)
+    hf = BertWordPieceTokenizer(ours.vocab, lowercase=lowercase)
+    for text in [*texts, *held_out]:
+        e, o = hf.encode(text), ours.encode_with_offsets(text)
+        assert (o.ids, o.offsets) == (e.ids, e.offsets), text
+
+
+# lone combining marks (U+103A is WikiText-103's), zero-width and format characters, controls, soft hyphen
+_ODD = ["\u103a", "\u0301", "\u0300", "\u0e31", "\u200b", "\u200c", "\u200d", "\u2060", "\ufeff", "\u00ad",
+        "\x00", "\x1c", "\x7f", "\x85", "\ufffd", "\u3000", " ", "\n", "\t"]
+_WORDY = st.lists(st.one_of(st.sampled_from(_ODD), _PIECES, st.characters(codec="utf-8")), max_size=30).map("".join)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_WORDY, min_size=1, max_size=4), _WORDY, st.booleans())
+def test_any_text_trains_and_encodes_as_hf(texts, held_out, lowercase):
+    check_trains_like_hf(texts, lowercase, [held_out])
+
+
+def test_training_on_wikitext_103_burmese_marks(data_dir):
+    """The Mongol invasions of Burma (WikiText-103 valid): "<unk> ်", a word of U+103A alone, that lowercasing
+    empties; it once ended training with an IndexError."""
+    lines = (data_dir / "wikitext-103" / "wiki.valid.tokens").read_text(encoding="utf-8").splitlines()
+    start = lines.index(" = First Mongol invasion of Burma = ")
+    end = next(i for i in range(start + 1, len(lines)) if re.fullmatch(r" = [^=].* = ", lines[i]))   # the next article
+    article = [line for line in lines[start:end] if line.strip()]
+    assert any(" \u103a " in line for line in article)
+    for lowercase in (True, False):
+        check_trains_like_hf(article, lowercase, ["The Mongol invasions of Burma \u103a were a series."])
+    tok = WordPiece.train(article, vocab_size=600)
+    assert tok.tokenize("Burmese : \u103a \u103a") == tok.tokenize("Burmese :")
+
+
+@pytest.mark.parametrize("texts", [[], [""], [" \n\t\x00"], ["a b c"], ["ab cd"], ["\u103a \u0301\u200b"]])
 def test_training_that_learns_nothing_raises(texts):
     with pytest.raises(ValueError, match="nothing was learned"):
         WordPiece.train(texts, vocab_size=100)

@@ -38,7 +38,8 @@ def basic_tokenize(text: str, lowercase: bool, memo: dict | None = None) -> list
 
     As HF tokenizers' BertNormalizer + BertPreTokenizer, character by character: control characters are
     removed, whitespace ends a word, a CJK ideograph and a punctuation character are words of their own;
-    `lowercase` (uncased BERT) also strips accents (NFD, then drops non-spacing marks) and lower-cases.
+    `lowercase` (uncased BERT) also strips accents (NFD, then drops non-spacing marks) and lower-cases; a lone
+    accent ("\u103a") is then nothing, and no word is ever empty (HF's trainer skips empty words).
     Special tokens are not looked for here (WordPiece.encode does that first). `memo`, a dict this call
     fills (for one value of `lowercase`), saves classifying a character twice."""
     memo = {} if memo is None else memo
@@ -86,6 +87,8 @@ def _classify(c: str, lowercase: bool) -> tuple[int, str]:
         if not (_HF_TABLE_PATCHES and ord(c) in _HF_NO_NFD):
             out = unicodedata.normalize("NFD", c)
         out = "".join(_lower(ch) for ch in out if not _is_mn(ch))
+        if not out:  # a lone accent (U+103A): gone, as a control character is; never an empty word
+            return _DROP, ""
     if _is_chinese(ord(c)):
         return _ALONE, out
     if any(_is_punct(ch) or ch.isspace() for ch in out):
