@@ -185,7 +185,11 @@ KEY = {"Authorization": "Bearer k"}
     ("/v1/rerank", {"query": "q", "documents": [{"text": "d", "title": "t"}]}, "documents", "Extra inputs"),
     ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n", "greater than or equal to 0"),
     ("/v1/score", {"text_1": "q", "text_2": "d", "truncate_prompt_tokens": 10}, "truncate_prompt_tokens", "-1"),
-    ("/v1/rerank", {"query": "q", "documents": ["d"], "model": "other"}, "model", "does not exist")])
+    ("/v1/rerank", {"query": "q", "documents": ["d"], "model": "other"}, "model", "does not exist"),
+    # a body field called "query" is named, not taken for the URL's query string
+    ("/v1/rerank", {"documents": ["d"]}, "query", "query: Field required"),
+    ("/rerank", {"query": None, "documents": ["d"]}, "query", "query: Input should be a valid string"),
+    ("/v1/rerank", {"query": 5, "documents": ["d"]}, "query", "query: Input should be a valid string")])
 def test_bad_requests_are_400_naming_the_field(clients, route, body, param, message):
     r = clients["pair"].post(route, json=body, headers=KEY)
     err = r.json()["error"]

@@ -88,11 +88,12 @@ async def _api_error(request, e: APIError):
 
 
 async def _invalid(request, e: RequestValidationError):
-    errors = e.errors()          # a union's members each fail: the one of the input's type says what is wrong
-    err = next((x for x in errors if not x["type"].endswith("_type")), errors[0])
+    # a union's members each fail: the one of the input's type says what is wrong (an error that is not of a type),
+    # else the one that went deepest into the input ({"text": 5} in documents: Document's text, not "not a str")
+    err = max(e.errors(), key=lambda x: (not x["type"].endswith("_type"), len(x["loc"])))
     if err["type"] == "json_invalid":
         return JSONResponse(APIError(400, f"body is not valid JSON: {err['msg']}").body(), status_code=400)
-    loc = [str(x) for x in err["loc"] if x not in ("body", "query")]
+    loc = [str(x) for x in err["loc"][1:]]     # past where it was sent (body, query, path): a field may be "query"
     msg = f"{'.'.join(loc) or 'body'}: {err['msg']}"
     return JSONResponse(APIError(400, msg, loc[0] if loc else None).body(), status_code=400)
 
