@@ -3,6 +3,11 @@ seeded sampling, batches of prompts of different lengths; compiled once and reus
 --compile. On CUDA the same step is replayed as a CUDA graph (tests/test_cuda.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
@@ -71,6 +76,36 @@ def test_compiled_prefill_equals_the_eager_forward_one_graph_a_bucket():
             for a, b in zip(k + v, cache.k + cache.v):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     assert dec.built == 2 and counters["stats"]["unique_graphs"] == before + 2
+
+
+PREFILL_ONCE = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_static import sharpen
+from duolm.generation.static import StaticDecoder
+from duolm.models import GPT2, GPT2Config, KVCache
+torch.manual_seed(0)
+model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=64)))
+prompt = list(range(7, 40, 3))
+with torch.inference_mode():
+    h = StaticDecoder(model).prefill(prompt)[0]
+    want = model.hidden(torch.tensor([prompt]), None, KVCache(model.config, 1, max_len=len(prompt)))
+torch.testing.assert_close(h, want, rtol=0, atol=1e-5)
+"""
+
+
+@pytest.mark.skipif(not torch.backends.cpu.get_cpu_capability().startswith("AVX512"),
+                    reason="torch does not dispatch AVX-512 kernels on this CPU: no graph of that width to cache")
+def test_a_graph_cached_under_avx512_is_not_reused_under_avx2(tmp_path):
+    """inductor's on-disk cache is shared by processes that dispatch different vector widths: the compiled prefill of a
+    process held to AVX2 (ATEN_CPU_CAPABILITY=avx2, as on most laptops) after one on AVX-512 filled the cache equals
+    the eager forward, where inductor's reused code, written for 16 floats a vector, left half of each vector NaN
+    (static.isa_options keys the cache by the width)."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    for capability in ("avx512", "avx2"):
+        done = subprocess.run([sys.executable, "-c", PREFILL_ONCE, str(Path(__file__).parent)], capture_output=True,
+                              text=True, env=env | {"ATEN_CPU_CAPABILITY": capability}, timeout=300)
+        assert done.returncode == 0, (capability, done.stderr[-2000:])
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])

@@ -40,6 +40,16 @@ MIN_PROMPT = 16         # the shortest bucketed prompt length
 LEAN = {"size_asserts": False}
 
 
+def isa_options() -> dict:
+    """inductor's options that name the vector width torch dispatches on this CPU (cpp.simdlen: 512 under AVX-512,
+    256 under AVX2, as inductor would pick; {} elsewhere), so that they are part of its on-disk cache's key. Without
+    them a graph compiled and cached by a process on AVX-512 is found again by one held to AVX2
+    (ATEN_CPU_CAPABILITY=avx2): inductor reuses the cached code, written for 16 floats a vector, and builds it for 8,
+    which leaves half of each vector's outputs unwritten (NaN: tests/test_static.py)."""
+    width = {"AVX512": 512, "AVX2": 256}.get(torch.backends.cpu.get_cpu_capability())
+    return {"cpp.simdlen": width} if width else {}
+
+
 def bucket(n: int, smallest: int, block_size: int) -> int:
     """The first of smallest, 2 smallest, 4 smallest, ... that holds n, at most block_size: the lengths a static shape
     is built for. bucket(160, 64, 1024) = 256; bucket(40, 64, 1024) = 64; bucket(900, 64, 1024) = 1024."""
@@ -239,7 +249,7 @@ def _package(model, batch: int) -> str:
     bounds = program.range_constraints.get(rows.node.expr) if isinstance(rows, torch.SymInt) else None
     lo, hi = (batch, batch) if bounds is None else (int(bounds.lower), float(bounds.upper))
     path = torch._inductor.aoti_compile_and_package(
-        program, inductor_configs={"aot_inductor.package_constants_in_so": False})
+        program, inductor_configs={"aot_inductor.package_constants_in_so": False} | isa_options())
     _PACKAGES.setdefault(key, []).append((lo, hi, path))
     return path
 
@@ -281,7 +291,7 @@ class StaticDecoder:
         self._model = weakref.ref(model)
         # on the CPU, the steps compiled ahead of time (a runner per package), where torch.export can trace the model
         self.ahead = compile and device_dtype(model)[0].type == "cpu" and exportable(model)
-        self._fn = torch.compile(own_code(advance, model), fullgraph=True, options=LEAN) \
+        self._fn = torch.compile(own_code(advance, model), fullgraph=True, options=LEAN | isa_options()) \
             if compile and not self.ahead else advance
         self._ahead_fns: dict = {}                  # package -> its AheadOfTime step
         self._compile = compile
@@ -329,7 +339,8 @@ class StaticDecoder:
         model = self._model()
         length = prompt_length(len(prompt), model.config.block_size)
         if length not in self._prefills:        # a code object a length: its one graph, never dynamic shapes
-            fn = torch.compile(own_code(prefill, model, length), fullgraph=True, dynamic=False, options=LEAN) \
+            fn = torch.compile(own_code(prefill, model, length), fullgraph=True, dynamic=False,
+                               options=LEAN | isa_options()) \
                 if self._compile else prefill
             self._prefills[length] = self._build(lambda: StaticPrefill(model, fn, length))
         return self._prefills[length](prompt)

@@ -32,6 +32,7 @@ from duolm import runs
 from duolm.checkpoint import SHARDS, load, save
 from duolm.config import opt
 from duolm.fileio import write_error
+from duolm.generation.static import isa_options
 from duolm.objectives import Objective
 from duolm.precision import TRAINING, autocast, resolve
 from duolm.train.logs import open_logs
@@ -352,7 +353,7 @@ def train(model: nn.Module, objective: Objective, data, cfg: TrainConfig, run_di
     micro = micro_batch_size(cfg, world)
     precision = resolve(cfg.precision, device, training=True)
     fwd = wrap(model, cfg.parallel, world, device, precision)
-    fwd = torch.compile(fwd) if cfg.compile else fwd
+    fwd = torch.compile(fwd, options=isa_options()) if cfg.compile else fwd
     params = [p for p in model.parameters() if p.requires_grad]
     with contextlib.ExitStack() as stack:
         stack.enter_context(activation_checkpointing(model, cfg.activation_checkpointing))
