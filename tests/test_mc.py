@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import duolm
+from duolm.evaluation import choice
 from duolm.evaluation.choice import (encode_pair, hellaswag_doc, hellaswag_preprocess, item_metrics,
                                      model_inputs, multiple_choice, read_items, score_inputs, score_pairs, span)
 from duolm.models import GPT2, GPT2Config
@@ -276,7 +277,7 @@ def test_batched_shared_prefixes_equal_one_full_forward_per_choice(trained):
 
 @pytest.mark.parametrize("line, error", [
     ('{"query": "q", "choices": ["a", "b"], "gold": 2}', "gold 2 is not an index into the 2 choices"),
-    ('{"query": "q", "choices": [], "gold": 0}', "the choices must be a non-empty list of texts"),
+    ('{"query": "q", "choices": [], "gold": 0}', 'field "choices" must be a non-empty list of strings, got []'),
     ('{"context_options": ["a"], "continuation": "c", "gold": -1}', "gold -1 is not an index into the 1 choices"),
     ('{"query": "q", "choices": ["a"], "gold": 0', "Expecting"),
     ('{"question": "q", "answers": ["a"]}', "not a multiple-choice record: expected the fields {query, choices, gold}"),
@@ -295,3 +296,69 @@ def test_bad_lines_are_one_line_errors_naming_file_and_line(tmp_path, line, erro
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="empty.jsonl: no items"):
         read_items(tmp_path / "empty.jsonl")
+
+
+# one valid record of each form; the fields walked are the reader's own (choice.FORMS)
+VALID = {"multiple-choice": {"query": "Q:", "choices": ["a", "b"], "gold": 1},
+         "schema": {"context_options": ["The cat", "The dog"], "continuation": "sat.", "gold": 0},
+         "hellaswag": {"ctx_a": "A man", "ctx_b": "then he", "activity_label": "Cooking", "endings": ["a", "b"],
+                       "label": 1}}
+# a value of each JSON type: sent where the valid record's value is of another type
+OF_TYPE = [None, True, 5, 0.5, "abcd", ["abcd"], {"a": 1}]
+
+
+def wrong_values(valid):
+    """The values of other JSON types than `valid`'s; for a list, also an empty one and one holding a number."""
+    return [v for v in OF_TYPE if type(v) is not type(valid)] + ([[], ["a", 5]] if isinstance(valid, list) else [])
+
+
+@pytest.mark.parametrize("form", list(choice.FORMS))
+def test_every_field_of_the_wrong_type_is_a_line_naming_it(tmp_path, form):
+    """Each field of each form null, of each other JSON type, or a list of something else: a one-line ValueError
+    naming the file, the line and the field ("query": 5 once ended in a TypeError, "endings": "abcd" was read as
+    four endings)."""
+    assert set(VALID) == set(choice.FORMS) and set(VALID[form]) == set(choice.FORMS[form])
+    path, ok = tmp_path / "items.jsonl", json.dumps(VALID[form]) + "\n"
+    forms = (form,) if form == "hellaswag" else ("multiple-choice", "schema")
+    path.write_text(ok)
+    assert read_items(path, forms)[0] == form
+    for field, valid in VALID[form].items():
+        for value in wrong_values(valid):
+            path.write_text(ok + json.dumps({**VALID[form], field: value}) + "\n")
+            with pytest.raises(ValueError) as e:
+                read_items(path, forms)
+            msg = str(e.value)
+            assert msg.startswith(f"{path}:2: {form}: field \"{field}\" must be ") and "\n" not in msg, (field, value)
+
+
+def test_hellaswag_labels_as_the_hub_writes_them():
+    doc = {**VALID["hellaswag"], "label": "1"}
+    assert choice.make_item(doc) == choice.make_item(VALID["hellaswag"]) and choice.make_item(doc).gold == 1
+    for label in ("", "1.0", "-1", "\u0661"):          # not a string of ASCII digits (U+0661: ARABIC-INDIC ONE)
+        with pytest.raises(ValueError, match='field "label" must be an integer or a string of digits'):
+            choice.make_item({**doc, "label": label})
+
+
+@pytest.mark.parametrize("text", [None, 5, ["a b"], {"t": "a b"}])
+def test_lambada_jsonl_text_of_the_wrong_type_names_file_line_and_field(tmp_path, text):
+    from duolm.evaluation.readers import lambada_examples
+    path = tmp_path / "lambada_test.jsonl"
+    path.write_text(json.dumps({"text": "a b"}) + "\n" + json.dumps({"text": text}) + "\n")
+    with pytest.raises(ValueError) as e:
+        lambada_examples(path)
+    assert str(e.value).startswith(f"lambada: {path} line 2: ") and '"text" string' in str(e.value)
+
+
+def test_cli_eval_of_a_bad_field_is_one_line(data_dir, tmp_path, capsys):
+    from duolm.cli import main
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    model = GPT2(GPT2Config(vocab_size=tok.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=16))
+    model_dir = duolm.save(model, tmp_path / "model", tok)
+    for task, doc, field in (("multiple-choice", {"query": 5, "choices": ["a"], "gold": 0}, "query"),
+                             ("hellaswag", {**VALID["hellaswag"], "ctx_b": None}, "ctx_b")):
+        (tmp_path / "bad.jsonl").write_text(json.dumps(doc) + "\n")
+        with pytest.raises(SystemExit) as e:
+            main(["eval", str(model_dir), "--task", task, "--data", str(tmp_path / "bad.jsonl")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.count("\n") == 1
+        assert err.startswith(f"duolm: error: {tmp_path / 'bad.jsonl'}:1: {task}: field \"{field}\" must be a string")

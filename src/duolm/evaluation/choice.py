@@ -31,8 +31,24 @@ from duolm.evaluation.perplexity import token_nll
 from duolm.evaluation.tasks import EvalOptions, Progress
 from duolm.models.gpt2 import KVCache
 
-FORMS = {"multiple-choice": ("query", "choices", "gold"), "schema": ("context_options", "continuation", "gold"),
-         "hellaswag": ("ctx_a", "ctx_b", "activity_label", "endings", "label")}
+# each form's fields and what each must hold (KINDS)
+FORMS = {"multiple-choice": {"query": "text", "choices": "texts", "gold": "index"},
+         "schema": {"context_options": "texts", "continuation": "text", "gold": "index"},
+         "hellaswag": {"ctx_a": "text", "ctx_b": "text", "activity_label": "text", "endings": "texts", "label": "label"}}
+
+
+def _is_index(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)      # JSON's true is not 1 here
+
+
+# kind -> (what it is, in words; the test of a value)
+KINDS = {"text": ("a string", lambda v: isinstance(v, str)),
+         "texts": ("a non-empty list of strings", lambda v: isinstance(v, list) and bool(v)
+                   and all(isinstance(c, str) for c in v)),
+         "index": ("an integer", _is_index),
+         # HellaSwag's label: an integer in the original files, a string of digits on the Hugging Face Hub
+         "label": ("an integer or a string of digits", lambda v: _is_index(v)
+                   or (isinstance(v, str) and v.isascii() and v.isdigit()))}
 
 
 @dataclass(frozen=True)
@@ -75,19 +91,28 @@ def form_of(doc) -> str:
                      + " or ".join("{" + ", ".join(f) + "}" for f in FORMS.values()))
 
 
+def check_fields(doc: dict, form: str) -> None:
+    """A ValueError naming the first field of `form` whose value is not of its kind (FORMS, KINDS):
+    {"query": 5, ...} -> 'multiple-choice: field "query" must be a string, got 5'."""
+    for name, kind in FORMS[form].items():
+        what, ok = KINDS[kind]
+        if not ok(doc[name]):
+            got = repr(doc[name])
+            raise ValueError(f'{form}: field "{name}" must be {what}, got {got[:60] + "..." if len(got) > 60 else got}')
+
+
 def make_item(doc: dict) -> Item:
-    """A record in any of FORMS -> an Item; a ValueError on an empty choice list or a gold index out of range."""
+    """A record in any of FORMS -> an Item; a ValueError on a field of the wrong type or a gold index out of range."""
     form = form_of(doc)
+    check_fields(doc, form)
     if form == "schema":
         contexts, cont, gold = doc["context_options"], doc["continuation"], doc["gold"]
         choices = contexts                           # lm-eval's doc_to_choice: the filled-in contexts
         pairs = [(c, " " + cont) for c in contexts]
     else:
         query, choices, gold = hellaswag_doc(doc) if form == "hellaswag" else (doc["query"], doc["choices"], doc["gold"])
-        pairs = [(query, " " + c) for c in choices] if isinstance(choices, list) else []
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise ValueError(f"{form}: the choices must be a non-empty list of texts, got {choices!r}")
-    if isinstance(gold, bool) or not isinstance(gold, int) or not 0 <= gold < len(choices):
+        pairs = [(query, " " + c) for c in choices]
+    if not 0 <= gold < len(choices):
         raise ValueError(f"{form}: gold {gold!r} is not an index into the {len(choices)} choices")
     return Item(tuple(pairs), tuple(len(c) for c in choices), gold)
 
