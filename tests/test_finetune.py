@@ -6,6 +6,7 @@ saved in HF format. Every training here is a few steps on a few real GLUE rows."
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -618,6 +619,41 @@ def test_cli_errors_are_one_line(tiny_bert_dir, sst2_csv, tmp_path, capsys):
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and err.startswith("duolm: error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_constant_dev_score_is_refused_before_training(tiny_bert_dir, data_dir, tmp_path, capsys):
+    """Spearman's correlation with a constant is undefined: a dev set whose scores are all equal once trained for
+    nothing and reported "spearman nan"; now one line at the start (embedding pairs and regression alike)."""
+    from duolm.cli import main
+    from duolm.metrics import spearman
+    from duolm.tasks.base import check_varied
+
+    assert math.isnan(spearman([0.1, 0.7, 0.3], [2.0, 2.0, 2.0]))
+    with pytest.warns(scipy.stats.ConstantInputWarning):
+        assert math.isnan(scipy.stats.spearmanr([0.1, 0.7, 0.3], [2.0, 2.0, 2.0]).statistic)
+    check_varied([2.0, 2.0, 2.5], "dev.tsv")
+    with pytest.raises(ValueError, match=r"^dev\.tsv: the 3 dev scores are all 2: a constant dev score has no rank"):
+        check_varied([2.0, 2.0, 2.0], "dev.tsv")
+
+    rows = [r.split("\t") for r in (data_dir / "glue" / "STS-B" / "train.tsv").read_text(encoding="utf-8").splitlines()]
+    s1, s2 = rows[0].index("sentence1"), rows[0].index("sentence2")
+    pairs = _write(tmp_path / "pairs.tsv", "anchor\tpositive\n" + "".join(f"{r[s1]}\t{r[s2]}\n" for r in rows[1:20]))
+    flat = _write(tmp_path / "flat.tsv", "sentence1\tsentence2\tscore\n"
+                  + "".join(f"{r[s1]}\t{r[s2]}\t0.6\n" for r in rows[20:30]))
+    regress = _write(tmp_path / "regress.csv", "text,label\nit was fine,0.5\ngreat,2.5\ndull,1.0\n")
+    flat_regress = _write(tmp_path / "flat.csv", "text,label\nok,1.5\nfine,1.5\n")
+    for argv, message in (
+            (["--task", "embedding", "--train", str(pairs), "--dev", str(flat)],
+             f"{flat}: the 10 dev scores are all 0.6: a constant dev score has no rank correlation"),
+            (["--task", "embedding", "--train", str(flat), "--dev-fraction", "0.5"],
+             f"{flat} (its held-out end): the 5 dev scores are all 0.6"),
+            (["--task", "regress", "--train", str(regress), "--dev", str(flat_regress)],
+             f"{flat_regress}: the 2 dev scores are all 1.5")):
+        with pytest.raises(SystemExit) as e:
+            main(["finetune", str(tiny_bert_dir), *argv, "--batch-size", "2", "--epochs", "1", "-o", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and err.startswith(f"duolm: error: {message}") and err.count("\n") == 1
+        assert not (tmp_path / "run").exists()                   # refused before a run was made
 
 
 def test_glue_suite_and_the_papers_table(tiny_bert_dir, data_dir, tmp_path, one_thread):

@@ -250,6 +250,16 @@ def holdout(examples: list, fraction: float) -> tuple[list, list]:
     return examples[:-n], examples[-n:]
 
 
+def check_varied(scores: list, where: str) -> None:
+    """A ValueError, before any training, when every gold score of a dev set is the same: a correlation divides by
+    the scores' spread, so Spearman's and Pearson's with a constant are undefined (nan) and select nothing.
+    [2.5, 2.5, 2.5] from dev.tsv -> "dev.tsv: the 3 dev scores are all 2.5: a constant dev score has no rank ...";
+    [2.5, 3.0] passes."""
+    if scores and min(scores) == max(scores):
+        raise ValueError(f"{where}: the {len(scores)} dev scores are all {scores[0]:g}: a constant dev score has no "
+                         f"rank correlation (Spearman's is undefined); give a dev set of different scores")
+
+
 def first(examples: list, limit: int, notes: list, what: str = "training examples") -> list:
     """The first `limit` examples (0: all), with a note when some are left out (HF's max_train_samples).
 

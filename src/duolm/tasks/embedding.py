@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from duolm.metrics import pearson, spearman
 from duolm.models.heads import HeadConfig
 from duolm.objectives import Objective
-from duolm.tasks.base import (MAX_LENGTH, Data, Files, PredictInputs, TokenRows, holdout, pad, parse_texts, read_rows,
-                              run_model)
+from duolm.tasks.base import (MAX_LENGTH, Data, Files, PredictInputs, TokenRows, check_varied, holdout, pad,
+                              parse_texts, read_rows, run_model)
 
 SCALE = 20.0             # MNRL's scale: 1 / temperature (sentence-transformers' default)
 LAYOUTS = (("anchor", "positive", "negative"), ("anchor", "positive"), ("sentence1", "sentence2", "score"))
@@ -89,6 +89,8 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
     if bad is not None and "train" in splits:
         raise ValueError(f"{bad.where}: score {bad.score:g} is outside [-1, 1]: CosineSimilarityLoss compares it "
                          f"with a cosine; rescale the scores (STS-B's 0-5: divide by 5)")
+    if "dev" in splits:
+        check_varied([p.score for p in dev], files.dev or f"{train_file} (its held-out end)")
     if train:
         hard = ", hard negatives" if len(train[0].texts) > 2 else ""
         notes.append("loss: " + ("CosineSimilarityLoss (scored pairs)" if train[0].score is not None else

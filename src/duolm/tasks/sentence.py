@@ -28,7 +28,7 @@ from duolm.fileio import write_text
 from duolm.metrics import SEQUENCE_METRICS
 from duolm.models.heads import HeadConfig
 from duolm.objectives import IGNORE, Objective, causal_lm_loss
-from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, holdout, pad, run_model
+from duolm.tasks.base import MAX_LENGTH, Data, Files, PredictInputs, check_varied, holdout, pad, run_model
 from duolm.tasks.examples import Example, check_labels, label_space, read_examples
 from duolm.tasks.glue import GLUE, USER_TASKS, glue_task
 from duolm.tokenizers import ByteLevelBPE, WordPiece
@@ -416,6 +416,8 @@ def read(name: str, files: Files, splits, options, head: HeadConfig | None = Non
     if head is not None and (data.kind != head.kind or (data.labels and data.labels != head.labels)):
         raise ValueError(f"the model predicts {head.kind} {head.labels or ''} (task {head.task!r}); "
                          f"the data is {data.kind} {data.labels or ''} (task {data.name!r})")
+    for examples in data.dev.values() if data.kind == "regress" else ():      # scored by correlations
+        check_varied([e.label for e in examples], examples[0].where.rpartition(":")[0])
     return data
 
 
