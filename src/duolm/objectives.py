@@ -42,8 +42,9 @@ def mlm_nsp_counts(batch: dict) -> dict[str, int]:
 
 
 def constant_guess_accuracy(labels) -> float:
-    """The MLM accuracy of always guessing the most frequent target: the unigram baseline a model that reads no
-    context reaches at best. labels: tensors of targets, IGNORE where nothing is predicted.
+    """The accuracy of always guessing the most frequent target: the baseline a model that reads no context
+    reaches at best (MLM: the unigram guess; NSP: the majority class). labels: tensors of targets, IGNORE where
+    nothing is predicted.
 
     >>> constant_guess_accuracy([torch.tensor([[5, 5, -100]]), torch.tensor([[7, -100, -100]])])
     0.6666666666666666
