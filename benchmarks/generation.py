@@ -4,7 +4,7 @@ Same weights on both sides (copied with duolm.convert.hf), a 32-token prompt, 12
 batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm plain fp32        generate() on the model as it is: PyTorch's F.linear (MKL)
   duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on up to 32 rows
-                          on Intel's CPUs with AVX-512, oneDNN on packed weights on other x86 CPUs (fp32_kernel,
+                          on Intel's CPUs with AVX-512, oneDNN on packed weights on other x86 CPUs (fp32_engine,
                           fp32_rows) (`duolm generate`'s CPU default); the same ids
   duolm quantize(fp32) compiled, duolm quantize(int8) compiled
                           the same models through generate(compile=True): duolm.generation.static's step, compiled
@@ -48,7 +48,7 @@ from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
 from duolm.generation.static import decoder_of
 from duolm.models import GPT2, GPT2Config
-from duolm.precision import BF16Linear, fp32_engine, fp32_kernel, machine, quantize
+from duolm.precision import BF16Linear, fp32_engine, machine, quantize
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WIDTH = {"fp32": 4, "bf16": 2, "int8": 1}           # bytes per matrix weight
@@ -140,7 +140,7 @@ def main():
     prompts8 = torch.randint(0, cfg.vocab_size, (8, P), generator=g).tolist()
     m = machine()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
-          f"{m['native_bf16']}, {m['threads']} threads; fp32 {'duolm.kernels' if fp32_kernel() else fp32_engine()}; "
+          f"{m['native_bf16']}, {m['threads']} threads; fp32 {fp32_engine()}; "
           f"load average at start "
           f"{os.getloadavg()[0]:.2f}\nGPT-2 124M random weights ({ours.num_params():,} params), prompt {P} tokens, "
           f"{N} new, greedy, median of {args.rounds} rounds", flush=True)

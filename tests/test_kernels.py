@@ -19,8 +19,8 @@ from duolm.precision import KERNEL_ROWS, WIDE_ROWS, Int8Linear, KernelLinear, in
 
 vnni = pytest.mark.skipif(not precision.vnni_rows(), reason="this CPU lacks AVX512-VNNI: duolm.kernels' int8 kernel "
                           "does not run here (Int8Linear runs torch's x86 int8 kernels, tests/test_precision.py)")
-fp32 = pytest.mark.skipif(not precision.fp32_kernel(), reason="not an Intel CPU with AVX-512: duolm.kernels' fp32 "
-                          "kernel does not run here (PackedLinear or F.linear, tests/test_precision.py)")
+fp32 = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: duolm.kernels' fp32 kernel does not "
+                          "run here (PackedLinear or F.linear, tests/test_precision.py)")
 
 
 def _weights(n, k, bias=True):
@@ -142,7 +142,7 @@ def test_without_avx512_or_without_a_build_torchs_kernels_run(monkeypatch):
     monkeypatch.setattr(precision, "_cpuinfo", lambda field: {"flags": flags, "vendor_id": "GenuineIntel"}.get(field))
     q = Int8Linear(torch.randn(32, 16), None)
     assert q.packed_rows is None and (q.packed is not None) == precision._works("int8")
-    assert not precision.fp32_kernel() and precision._swap("fp32", torch.device("cpu")) is not KernelLinear
+    assert precision.fp32_engine() != "duolm" and precision._swap("fp32", torch.device("cpu")) is not KernelLinear
 
 
 @fp32
@@ -163,9 +163,11 @@ def test_fp32_kernel_is_f_linear(n, k):
 
 @fp32
 def test_kernel_linear_runs_the_kernel_up_to_kernel_rows(monkeypatch):
-    """quantize(model, "fp32") swaps in KernelLinear here: up to KERNEL_ROWS rows on the kernel, more (and training
-    forwards) through F.linear, its bits; a GPT-2's logits within 1e-5 of the plain model's, and under torch.compile
-    the kernel's bits (its operator inside the graph)."""
+    """quantize(model, "fp32") swaps in KernelLinear where fp32_engine() is "duolm" (forced: on every CPU the kernel
+    runs on): up to KERNEL_ROWS rows on the kernel, more (and training forwards) through F.linear, its bits; a GPT-2's
+    logits within 1e-5 of the plain model's, and under torch.compile the kernel's bits (its operator inside the
+    graph)."""
+    monkeypatch.setattr(precision, "fp32_engine", lambda: "duolm")
     from duolm.models import GPT2, GPT2Config
 
     torch.manual_seed(0)

@@ -44,7 +44,6 @@ def _bert():
 def onednn(monkeypatch):
     """fp32_engine() answering "onednn" for every product on any x86 CPU (not duolm.kernels' fp32 kernel): the exact
     packed path is tested on Intel's too, on every row count."""
-    monkeypatch.setattr(precision_module, "fp32_kernel", lambda: False)
     monkeypatch.setattr(precision_module, "fp32_engine", lambda: "onednn")
     monkeypatch.setattr(precision_module, "fp32_rows", lambda: onednn_rows)
 
@@ -420,13 +419,19 @@ def test_run_records_its_precision_and_resumes_only_under_it(tmp_path):
 
 
 def test_fp32_engine_is_a_rule_by_vendor(monkeypatch):
-    """oneDNN on x86 CPUs, for 4 to 32 rows on Intel's (F.linear, MKL, for up to 3 and for longer inputs) and for
-    every product on other vendors' (MKL's slower paths there): the same answer in every process, so a resumed run
-    and its evaluations compute the same numbers; F.linear elsewhere."""
+    """duolm.kernels' fp32 kernel on Intel's CPUs where it builds; else oneDNN on x86 CPUs, for 4 to 32 rows on
+    Intel's (F.linear, MKL, for up to 3 and for longer inputs) and for every product on other vendors' (MKL's slower
+    paths there); F.linear elsewhere: the same answer in every process, so a resumed run and its evaluations compute
+    the same numbers."""
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
-    for vendor, rows in (("GenuineIntel", intel_rows), ("AuthenticAMD", onednn_rows), ("HygonGenuine", onednn_rows)):
-        monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
-        assert (precision_module.fp32_engine(), precision_module.fp32_rows()) == ("onednn", rows)
+    for builds in (True, False):
+        monkeypatch.setattr(precision_module.kernels, "available", lambda flags, b=builds: b)
+        for vendor, rows in (("GenuineIntel", intel_rows), ("AuthenticAMD", onednn_rows),
+                             ("HygonGenuine", onednn_rows)):
+            monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
+            engine = "duolm" if builds and vendor == "GenuineIntel" else "onednn"
+            assert (precision_module.fp32_engine(), precision_module.fp32_rows()) == (engine, rows)
+    monkeypatch.setattr(precision_module.kernels, "available", lambda flags: False)
     monkeypatch.setattr(precision_module.platform, "machine", lambda: "aarch64")
     assert precision_module.fp32_engine() == "mkl"
 

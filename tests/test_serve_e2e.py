@@ -37,13 +37,15 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(model_dir, log_path, *args, wait=True):
-    """`duolm serve MODEL --port P ...` (as python -m duolm), by default until /health answers (else call
-    wait_healthy); stopped and reaped after."""
+def server(model_dir, log_path, *args, wait=True, prelude=""):
+    """`duolm serve MODEL --port P ...` (as python -m duolm; after the Python statements `prelude`, where given), by
+    default until /health answers (else call wait_healthy); stopped and reaped after."""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}       # tiny models: one thread each
+    duolm = ["-c", f"import sys\n{prelude}\nfrom duolm.cli import main\nmain(sys.argv[1:])"] if prelude else \
+        ["-m", "duolm"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "duolm", "serve", str(model_dir), "--port", str(port), *args],
+        proc = subprocess.Popen([sys.executable, *duolm, "serve", str(model_dir), "--port", str(port), *args],
                                 stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:

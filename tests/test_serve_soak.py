@@ -5,7 +5,9 @@ then nothing (408 after the 2 s --header-timeout / --body-timeout); capacity 8 +
 while a left request still holds its place. Only 200 / 400 / 408 / 413 / 429 come back; afterwards
 /health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up and its open
 file descriptors are back to their count then, and every complete answer equals the same request sent alone.
-The same for BERT's routes (embeddings, a fine-tuned head)."""
+The same for BERT's routes (embeddings, a fine-tuned head), on each fp32 engine this CPU runs (duolm.precision's
+fp32_engine() forced in the server's process): oneDNN builds a kernel for every shape it meets, and the memory stays
+bounded only by the `duolm` command's cap on the kernels it keeps (duolm.malloc.onednn_caches)."""
 import pytest
 
 pytest.importorskip("fastapi")
@@ -26,10 +28,10 @@ def models(data_dir, tmp_path_factory):
     return soak.tiny_models(data_dir, tmp_path_factory.mktemp("soak-models"))
 
 
-def _soak(model_dir, goods, log):
-    """Runs the warm-up and the soak on one server; checks what every soak test checks; returns the soak's
-    outcomes and the metrics before and after it."""
-    with server(model_dir, log, *ARGS) as (url, proc):
+def _soak(model_dir, goods, log, prelude=""):
+    """Runs the warm-up and the soak on one server (after `prelude` in its process); checks what every soak test
+    checks; returns the soak's outcomes and the metrics before and after it."""
+    with server(model_dir, log, *ARGS, prelude=prelude) as (url, proc):
         soak.soak(url, goods, WARMUP, CLIENTS, seed=1, slow=SLOW)
         before = soak.settled(url)
         rss_before, fds_before = soak.rss_kb(proc.pid), soak.open_fds(proc.pid)
@@ -69,7 +71,14 @@ def test_gpt2_soak(models, tmp_path):
     assert 0 < cancelled <= left_streams
 
 
-def test_bert_soak(models, tmp_path):
-    outcomes, _, _ = _soak(models[1], soak.bert_goods(), tmp_path / "bert.log")
+def _engines():
+    from duolm import kernels, precision
+    return ["mkl"] + ["onednn"] * precision.onednn_runs() + ["duolm"] * kernels.ready()
+
+
+@pytest.mark.parametrize("engine", _engines())
+def test_bert_soak(engine, models, tmp_path):
+    force = f"import duolm.precision as p\np.fp32_engine = lambda: {engine!r}\np.fp32_rows = lambda: p.onednn_rows"
+    outcomes, _, _ = _soak(models[1], soak.bert_goods(), tmp_path / "bert.log", prelude=force)
     routes = {o.job.route for o in outcomes if o.answer is not None}
     assert routes == {"/v1/embeddings", "/v1/classify"}

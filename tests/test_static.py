@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
-from duolm import precision
+from duolm import kernels, precision
 from duolm.generation import generate, static
 from duolm.generation.static import (_DECODERS, StaticDecoder, advance, cache_length, decoder_of, own_code,
                                     prompt_length)
@@ -185,13 +185,15 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch)
     assert (dec.built, built()) == (1, after)
 
 
-@pytest.mark.skipif(not precision.fp32_kernel(), reason="KernelLinear's kernel does not run on this CPU")
-def test_ahead_of_time_steps_serve_ranges_of_batches():
-    """AOTInductor's steps: batch 1 a package of its own; batch 3 one whose batch is dynamic up to KERNEL_ROWS (fp32's
-    KernelLinear runs F.linear above it: export bounds the range), which batch 5 reuses (its runner too); a model of
-    the same structure loads the packages, compiling nothing; the eager ids at each batch and cache length."""
+@pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: KernelLinear's kernel does not run here")
+def test_ahead_of_time_steps_serve_ranges_of_batches(monkeypatch):
+    """AOTInductor's steps of KernelLinear's model (fp32_engine() forced to "duolm"): batch 1 a package of its own;
+    batch 3 one whose batch is dynamic up to KERNEL_ROWS (KernelLinear runs F.linear above it: export bounds the
+    range), which batch 5 reuses (its runner too); a model of the same structure loads the packages, compiling nothing;
+    the eager ids at each batch and cache length."""
     from duolm.precision import KERNEL_ROWS
 
+    monkeypatch.setattr(precision, "fp32_engine", lambda: "duolm")
     torch.manual_seed(0)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=128))), "fp32")
     before = built()
@@ -237,7 +239,6 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear: every product on x86 CPUs other
     than Intel's): torch.export cannot trace the packed weight, so the step is torch.compile's, which traces F.linear
     (inductor cannot lower a weight packed outside it), and gives the eager ids."""
-    monkeypatch.setattr(precision, "fp32_kernel", lambda: False)
     monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
     monkeypatch.setattr(precision, "fp32_rows", lambda: precision.onednn_rows)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
@@ -263,7 +264,9 @@ def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
         monkeypatch.setattr(precision, "vnni_rows", lambda: False)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")
     linears = [m for m in model.modules() if isinstance(m, precision.Int8Linear)]
-    assert linears and all((m.packed_rows is not None) == vnni and (m.packed is None) == vnni for m in linears)
+    # duolm's kernel runs below WIDE_ROWS rows where vnni; torch's x86 engine runs the rest where no oneDNN (AMX) does
+    wide = vnni and precision.amx_int8() and precision._works("int8")
+    assert linears and all((m.packed_rows is not None) == vnni and (m.packed is None) == wide for m in linears)
     prompts = prompts_of(3, seed=4, vocab=512)
     want = ids(model, prompts, 40, False, temperature=0)
 

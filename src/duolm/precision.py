@@ -9,12 +9,12 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact. On Intel's CPUs with AVX-512 (fp32_kernel()) KernelLinear runs products of up to KERNEL_ROWS rows
-    on duolm.kernels' fp32 kernel (the same dot products in another order, within ~1e-6), longer ones on PyTorch's
-    F.linear (MKL). On other x86 CPUs (fp32_engine()) PackedLinear runs oneDNN on the weight packed once into its
-    blocked layout: faster than F.linear at every size on other vendors' CPUs (MKL's slower paths there) and from 4
-    to 32 rows on Intel's without AVX-512, where F.linear keeps up to 3 rows and longer inputs (fp32_rows()).
-    Elsewhere F.linear as it is. benchmarks/cpu_engines.py times decoding.
+  * "fp32": exact, on the engine fp32_engine() names. On Intel's CPUs with AVX-512 ("duolm") KernelLinear runs
+    products of up to KERNEL_ROWS rows on duolm.kernels' fp32 kernel (the same dot products in another order, within
+    ~1e-6), longer ones on PyTorch's F.linear (MKL). On other x86 CPUs ("onednn") PackedLinear runs oneDNN on the
+    weight packed once into its blocked layout: faster than F.linear at every size on other vendors' CPUs (MKL's
+    slower paths there) and from 4 to 32 rows on Intel's without AVX-512, where F.linear keeps up to 3 rows and
+    longer inputs (fp32_rows()). Elsewhere ("mkl") F.linear as it is. benchmarks/cpu_engines.py times decoding.
   * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
     input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
@@ -114,13 +114,20 @@ def _works(kernel: str) -> bool:
     return True
 
 
+def onednn_runs() -> bool:
+    """Whether torch's oneDNN linear on a packed weight runs here: an x86 CPU, oneDNN built in, the kernel works."""
+    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available() \
+        and _works("onednn")
+
+
 def fp32_engine() -> str:
-    """"onednn" on x86 CPUs where torch's oneDNN linear runs (PackedLinear), else "mkl" (plain F.linear). A rule
-    rather than a timing, so that every process on a machine makes the same choice and a resumed run, an evaluation
-    and a server compute the same numbers bit for bit."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "mkl"
-    return "onednn" if torch.backends.mkldnn.is_available() and _works("onednn") else "mkl"
+    """The engine quantize(model, "fp32") runs products on here: "duolm" (KernelLinear) on Intel's CPUs with AVX-512
+    where duolm.kernels build, "onednn" (PackedLinear) on other x86 CPUs, "mkl" (F.linear) elsewhere. A rule, so that
+    every process on a machine makes the same choice and a resumed run, an evaluation and a server compute the same
+    numbers bit for bit; the one switch, through which tests force each engine the machine can run."""
+    if _cpuinfo("vendor_id") == "GenuineIntel" and kernels.available(_cpuinfo("flags") or ""):
+        return "duolm"
+    return "onednn" if onednn_runs() else "mkl"
 
 
 def fp32_rows():
@@ -227,12 +234,6 @@ def vnni_rows() -> bool:
     return kernels.int8_supported(flags) and kernels.available(flags)
 
 
-def fp32_kernel() -> bool:
-    """Whether KernelLinear runs fp32 here: an Intel CPU with AVX-512 where duolm.kernels build (a rule, as
-    fp32_engine(); on other vendors' CPUs oneDNN runs every product, which the kernel was not measured against)."""
-    return _cpuinfo("vendor_id") == "GenuineIntel" and kernels.available(_cpuinfo("flags") or "")
-
-
 def amx_int8() -> bool:
     """Whether the CPU has AMX int8 tiles and torch its oneDNN quantized engine, whose int8 kernel runs on them:
     Int8Linear then multiplies WIDE_ROWS rows or more there (prefills, encoders' batches); the x86 engine, fbgemm,
@@ -328,12 +329,14 @@ KERNEL_ROWS = 32
 
 
 class KernelLinear(nn.Module):
-    """y = x W^T + b in exact fp32 (within ~1e-6), where fp32_kernel(): up to KERNEL_ROWS rows (decoding, short prompts)
-    on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once, faster there than MKL's
-    F.linear and oneDNN (PackedLinear); longer inputs and training forwards through F.linear on W (MKL)."""
+    """y = x W^T + b in exact fp32 (within ~1e-6), fp32_engine() "duolm": up to KERNEL_ROWS rows (decoding, short
+    prompts) on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once, faster there than
+    MKL's F.linear and oneDNN (PackedLinear); longer inputs and training forwards through F.linear on W (MKL)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        if not kernels.ready():                             # the kernels built and loaded (once), or why not
+            raise ValueError("duolm's fp32 kernel does not run on this CPU (AVX-512 and a C++ compiler needed)")
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.register_buffer("packed", kernels.pack_fp32(weight))
@@ -360,7 +363,7 @@ class BF16Linear(nn.Module):
         w = weight.detach().to(torch.bfloat16)
         self.register_buffer("weight", w)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        on_onednn = w.device.type == "cpu" and native_bf16("cpu") and fp32_engine() == "onednn"
+        on_onednn = w.device.type == "cpu" and native_bf16("cpu") and onednn_runs()
         self.register_buffer("packed", _pack(w) if on_onednn else None)
 
     def forward(self, x):
@@ -474,11 +477,8 @@ def _swap(precision: str, device: torch.device):
     if precision == "bf16":
         return BF16Linear
     if precision == "fp32":
-        if device.type == "cpu" and fp32_kernel():
-            return KernelLinear
-        if device.type == "cpu" and fp32_engine() == "onednn":
-            return functools.partial(PackedLinear, rows=fp32_rows())
-        return None
+        engine = fp32_engine() if device.type == "cpu" else "mkl"
+        return {"duolm": KernelLinear, "onednn": functools.partial(PackedLinear, rows=fp32_rows()), "mkl": None}[engine]
     raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
 
 

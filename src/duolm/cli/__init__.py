@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from duolm.cli import models, tasks
-from duolm.malloc import huge_pages, keep_freed_memory
+from duolm.malloc import huge_pages, keep_freed_memory, onednn_caches
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +36,7 @@ def main(argv=None):
     args = build_parser().parse_args(argv)
     keep_freed_memory()                  # before any tensor: every command moves large ones (duolm.malloc)
     huge_pages()
+    onednn_caches()
     try:
         args.func(args)
     except (ValueError, OSError, ImportError) as e:   # expected: bad input, missing files, a full disk, an extra
