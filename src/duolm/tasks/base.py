@@ -250,7 +250,7 @@ def holdout(examples: list, fraction: float) -> tuple[list, list]:
     return examples[:-n], examples[-n:]
 
 
-def check_varied(scores: list, where: str) -> None:
+def check_varied(scores: list, where: str | Path) -> None:
     """A ValueError, before any training, when every gold score of a dev set is the same: a correlation divides by
     the scores' spread, so Spearman's and Pearson's with a constant are undefined (nan) and select nothing.
     [2.5, 2.5, 2.5] from dev.tsv -> "dev.tsv: the 3 dev scores are all 2.5: a constant dev score has no rank ...";
