@@ -34,7 +34,8 @@ from duolm.models.gpt2 import KVCache
 # each form's fields and what each must hold (KINDS)
 FORMS = {"multiple-choice": {"query": "text", "choices": "texts", "gold": "index"},
          "schema": {"context_options": "texts", "continuation": "text", "gold": "index"},
-         "hellaswag": {"ctx_a": "text", "ctx_b": "text", "activity_label": "text", "endings": "texts", "label": "label"}}
+         "hellaswag": {"ctx_a": "text", "ctx_b": "text", "activity_label": "text", "endings": "texts",
+                       "label": "label"}}
 
 
 def _is_index(v) -> bool:
