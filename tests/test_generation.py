@@ -468,3 +468,19 @@ def test_cli_fill_mask(tmp_path, capsys):
         cli_main = __import__("duolm.cli", fromlist=["main"]).main
         cli_main(["fill-mask", str(tmp_path), "no mask here"])
     assert "[MASK]" in capsys.readouterr().err
+
+
+def test_decoding_a_model_never_quantized_builds_and_probes_nothing(monkeypatch):
+    """generate() on a GPT-2 as it was made runs torch alone: duolm.kernels is never built, loaded or asked about the
+    CPU, and no engine is timed (each raises here); the model holds no kernel's module (print(model) says so)."""
+    from duolm import engines, kernels
+    from duolm.models import GPT2, GPT2Config
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel or engine probed while decoding a plain model")
+    for module, name in ((kernels, "available"), (kernels, "ready"), (kernels, "cpuinfo"), (engines, "fp32_choice")):
+        monkeypatch.setattr(module, name, refuse)
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=97, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()
+    gen = generate(model, [[1, 2, 3], [4]], 10, temperature=0)
+    assert len(list(gen)) == 10 and "Kernel" not in repr(model)

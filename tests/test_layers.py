@@ -15,6 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS = {
     "duolm.fileio": 0, "duolm.config": 0, "duolm.metrics": 0, "duolm.malloc": 0, "duolm.kernels": 0,
     "duolm.tokenizers": 1, "duolm.models": 1, "duolm.runs": 1, "duolm.hub": 1, "duolm.objectives": 1,
+    "duolm.engines": 1,
     "duolm.convert": 2, "duolm.data": 2, "duolm.generation": 2, "duolm.precision": 2, "duolm.dcp": 2,
     "duolm.checkpoint": 3, "duolm.textgen": 3,
     "duolm.tasks": 4, "duolm.evaluation": 4,
@@ -74,6 +75,18 @@ def _upward_imports() -> list[str]:
 
 def test_imports_point_down():
     assert _upward_imports() == []
+
+
+def test_models_import_torch_only_and_probe_no_cpu():
+    """The model files read as the papers: no module of duolm.models imports duolm's kernels or engines, nor reads
+    the CPU's flags; a fast path arrives by a visible swap (duolm.precision.quantize)."""
+    models = {name: path for name, path in _modules().items() if name.startswith("duolm.models")}
+    assert models
+    for name, path in models.items():
+        duolm = {d for d in _imports(name, path) if d == "duolm" or d.startswith("duolm.")}
+        assert all(d.startswith("duolm.models") for d in duolm), (name, duolm)
+        text = path.read_text(encoding="utf-8")
+        assert not any(probe in text for probe in ("cpuinfo", "avx", "get_cpu_capability", "kernels.")), path
 
 
 def _cycles() -> list[list[str]]:

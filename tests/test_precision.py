@@ -21,7 +21,7 @@ from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, BertForPreTraining, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm import precision as precision_module
-from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_matmul, int8_rows, intel_rows,
+from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_matmul, int8_rows,
                              native_bf16, onednn_rows, quantize, resolve)
 from test_generation import _collect
 
@@ -45,7 +45,6 @@ def onednn(monkeypatch):
     """fp32_engine() answering "onednn" for every product on any x86 CPU (not duolm.kernels' fp32 kernel): the exact
     packed path is tested on Intel's too, on every row count."""
     monkeypatch.setattr(precision_module, "fp32_engine", lambda: "onednn")
-    monkeypatch.setattr(precision_module, "fp32_rows", lambda: onednn_rows)
 
 
 @pytest.fixture
@@ -256,10 +255,13 @@ def test_onednn_fp32_packed_weights_equal_plain_at_gpt2_shapes():
 
 
 @pytest.mark.parametrize("kernel", ["onednn", "int8"])
-def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers(kernel, monkeypatch, onednn):
+def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers(kernel, monkeypatch, onednn,
+                                                                                  tmp_path):
     """Where torch lacks a private kernel (here monkeypatched away), quantize takes the public path, warns once,
-    and gives the numbers the kernel gives: fp32 F.linear for oneDNN's packed linear (within 1e-5), int8_matmul
-    for the x86 int8 kernel."""
+    and gives the numbers the kernel gives: for oneDNN's matmul the engines timed without it (F.linear or duolm's
+    kernel: within 1e-5), int8_matmul for the x86 int8 kernel."""
+    from duolm import engines
+
     model, idx = _gpt2(), torch.randint(0, 97, (2, 20))
     precision = "fp32" if kernel == "onednn" else "int8"
     monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)      # torch's int8 kernel, not duolm's
@@ -268,14 +270,16 @@ def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers
     precision_module._works.cache_clear()
     monkeypatch.undo()                                 # fp32_engine() as it is, now seeing no kernel
     if kernel == "onednn":
-        monkeypatch.setattr(precision_module, "_cpuinfo", lambda field: "AuthenticAMD" if field == "vendor_id" else "")
-        monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
         monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
+        monkeypatch.setattr(engines, "CACHE", tmp_path / "engines.json")          # timed anew, every engine equal
+        monkeypatch.setattr(engines, "time_engines", lambda: {n: {1: 1, 8: 1, 512: 1} for n in engines.candidates()})
+        engines.onednn_runs.cache_clear()
+        engines.fp32_choice.cache_clear()
     else:
         monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
         monkeypatch.delattr(torch, "_make_per_channel_quantized_tensor")
     try:
-        with pytest.warns(RuntimeWarning, match=f"{kernel} kernel is unavailable"):
+        with pytest.warns(RuntimeWarning, match="oneDNN matmul is" if kernel == "onednn" else "int8 kernel is"):
             fallback = _swapped(model, precision)
         assert not any(isinstance(m, PackedLinear) for m in fallback.modules())
         assert all(m.packed is None for m in fallback.modules() if isinstance(m, Int8Linear))
@@ -283,6 +287,8 @@ def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers
             torch.testing.assert_close(fallback(idx), want, atol=1e-5, rtol=0)
     finally:
         precision_module._works.cache_clear()
+        engines.onednn_runs.cache_clear()
+        engines.fp32_choice.cache_clear()
 
 
 def test_compile_traces_a_quantized_gpt2():
@@ -418,37 +424,64 @@ def test_run_records_its_precision_and_resumes_only_under_it(tmp_path):
               resume=True, tensorboard=False)
 
 
-def test_fp32_engine_is_a_rule_by_vendor(monkeypatch):
-    """duolm.kernels' fp32 kernel on Intel's CPUs where it builds; else oneDNN on x86 CPUs, for 4 to 32 rows on
-    Intel's (F.linear, MKL, for up to 3 and for longer inputs) and for every product on other vendors' (MKL's slower
-    paths there); F.linear elsewhere: the same answer in every process, so a resumed run and its evaluations compute
-    the same numbers."""
-    monkeypatch.setattr(precision_module.platform, "machine", lambda: "x86_64")
-    for builds in (True, False):
-        monkeypatch.setattr(precision_module.kernels, "available", lambda flags, b=builds: b)
-        for vendor, rows in (("GenuineIntel", intel_rows), ("AuthenticAMD", onednn_rows),
-                             ("HygonGenuine", onednn_rows)):
-            monkeypatch.setattr(precision_module, "_cpuinfo", lambda field, v=vendor: v)
-            engine = "duolm" if builds and vendor == "GenuineIntel" else "onednn"
-            assert (precision_module.fp32_engine(), precision_module.fp32_rows()) == (engine, rows)
-    monkeypatch.setattr(precision_module.kernels, "available", lambda flags: False)
-    monkeypatch.setattr(precision_module.platform, "machine", lambda: "aarch64")
-    assert precision_module.fp32_engine() == "mkl"
+def test_fp32_engines_are_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
+    """duolm.engines.fp32_choice: the fastest engine by the timings (the earlier of duolm, onednn, mkl within 3%),
+    written to the cache with the machine's key, then read by every later call (no timing); a file for another key,
+    or unreadable, is timed again and rewritten; a cache that cannot be written keeps the choice for the process."""
+    import json
+
+    from duolm import engines
+
+    runs = []
+
+    def timed(times):
+        return lambda: runs.append(1) or times
+    fast_onednn = {"mkl": {1: 9, 8: 9, 512: 9}, "onednn": {1: 2, 8: 2, 512: 3}, "onednn plain": {1: 5, 8: 5, 512: 3.05},
+                   "duolm": {1: 1.97, 8: 2, 512: 9}}
+    monkeypatch.setattr(engines, "time_engines", timed(fast_onednn))
+    cache = tmp_path / "engines.json"
+    got = engines.fp32_choice.__wrapped__(cache)
+    assert (got["few"], got["wide"], len(runs)) == ("duolm", "onednn", 1)      # duolm within 3%: first in order
+    assert json.loads(cache.read_text())["key"] == engines.machine_key()
+    monkeypatch.setattr(engines, "time_engines", timed({**fast_onednn, "duolm": {1: 3, 8: 3, 512: 9}}))
+    assert engines.fp32_choice.__wrapped__(cache)["few"] == "duolm" and len(runs) == 1     # kept: not timed again
+    cache.write_text(json.dumps({**json.loads(cache.read_text()), "key": "another machine"}))
+    assert engines.fp32_choice.__wrapped__(cache)["few"] == "onednn" and len(runs) == 2
+    cache.write_text("{not json")
+    assert engines.fp32_choice.__wrapped__(cache)["few"] == "onednn" and len(runs) == 3
+    assert json.loads(cache.read_text())["few"] == "onednn"
+    unwritable = tmp_path / "a file" / "engines.json"
+    unwritable.parent.write_text("")
+    assert engines.fp32_choice.__wrapped__(unwritable)["wide"] == "onednn" and len(runs) == 4
 
 
-def test_packed_linear_under_intels_rule_runs_onednn_on_4_to_32_rows_and_f_linear_outside():
-    """PackedLinear(rows=intel_rows): up to 3 rows, and more than 32, are F.linear's bits; 4 to 32 rows run oneDNN
-    padded to a power of two (within 1e-5 of F.linear, and the bits of PackedLinear on every row count: padding
-    changes no row)."""
+def test_fp32_engines_time_what_runs_here():
+    """time_engines times each candidate that runs here (mkl always; oneDNN where its op works, duolm's kernel where
+    it builds) on every row count asked, each product computing x @ w.T (the candidates' forms and calls agree)."""
+    from duolm import engines
+
+    w, x = torch.randn(40, 24), torch.randn(3, 24)
+    for name, (prepare, run) in engines.candidates().items():
+        torch.testing.assert_close(run(x, prepare(w)), x @ w.T, atol=1e-5, rtol=0, msg=name)
+    times = engines.time_engines(rows=(1, 2), megabytes=64, repeats=1)
+    assert set(times) == set(engines.candidates()) and all(set(t) == {1, 2} for t in times.values())
+
+
+def test_packed_linear_on_wide_rows_runs_onednn_above_kernel_rows_and_f_linear_below():
+    """PackedLinear(rows=wide_rows), where F.linear wins few rows and oneDNN more: up to KERNEL_ROWS rows F.linear's
+    bits; more on oneDNN, padded to a bucket (within 1e-5 of F.linear, and the bits of PackedLinear on every row
+    count: padding changes no row)."""
+    from duolm.precision import KERNEL_ROWS, wide_rows
+
     torch.manual_seed(0)
     w, b = torch.randn(2304, 768) * 0.02, torch.randn(2304)
-    intel, everywhere = PackedLinear(w, b, rows=intel_rows), PackedLinear(w, b)
+    wide, everywhere = PackedLinear(w, b, rows=wide_rows), PackedLinear(w, b)
     with torch.no_grad():
-        for shape in ((1, 768), (3, 768), (1, 2, 768), (33, 768), (5, 13, 768)):
+        for shape in ((1, 768), (3, 768), (1, 2, 768), (KERNEL_ROWS, 768)):
             x = torch.randn(shape)
-            assert torch.equal(intel(x), F.linear(x, w, b))
-        for shape in ((4, 768), (5, 768), (2, 4, 768), (17, 768), (32, 768)):
+            assert torch.equal(wide(x), F.linear(x, w, b))
+        for shape in ((KERNEL_ROWS + 1, 768), (5, 13, 768), (100, 768)):
             x = torch.randn(shape)
-            torch.testing.assert_close(intel(x), F.linear(x, w, b), atol=1e-5, rtol=0)
-            assert torch.equal(intel(x), everywhere(x))
-    assert "rows=intel_rows" in repr(intel) and "rows=onednn_rows" in repr(everywhere)
+            torch.testing.assert_close(wide(x), F.linear(x, w, b), atol=1e-5, rtol=0)
+            assert torch.equal(wide(x), everywhere(x))
+    assert "rows=wide_rows" in repr(wide) and "rows=onednn_rows" in repr(everywhere)

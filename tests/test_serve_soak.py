@@ -72,13 +72,15 @@ def test_gpt2_soak(models, tmp_path):
 
 
 def _engines():
-    from duolm import kernels, precision
-    return ["mkl"] + ["onednn"] * precision.onednn_runs() + ["duolm"] * kernels.ready()
+    """(few, wide): each engine of few rows this CPU runs, with oneDNN for wide products where it runs; F.linear alone."""
+    from duolm import engines, kernels
+    wide = "onednn" if engines.onednn_runs() else "mkl"
+    return [("mkl", "mkl")] + [("onednn", "onednn")] * (wide == "onednn") + [("duolm", wide)] * kernels.ready()
 
 
-@pytest.mark.parametrize("engine", _engines())
-def test_bert_soak(engine, models, tmp_path):
-    force = f"import duolm.precision as p\np.fp32_engine = lambda: {engine!r}\np.fp32_rows = lambda: p.onednn_rows"
+@pytest.mark.parametrize("few, wide", _engines())
+def test_bert_soak(few, wide, models, tmp_path):
+    force = f"import duolm.precision as p\np.fp32_choice = lambda: {{'few': {few!r}, 'wide': {wide!r}}}"
     outcomes, _, _ = _soak(models[1], soak.bert_goods(), tmp_path / "bert.log", prelude=force)
     routes = {o.job.route for o in outcomes if o.answer is not None}
     assert routes == {"/v1/embeddings", "/v1/classify"}

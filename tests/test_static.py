@@ -240,7 +240,6 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     than Intel's): torch.export cannot trace the packed weight, so the step is torch.compile's, which traces F.linear
     (inductor cannot lower a weight packed outside it), and gives the eager ids."""
     monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
-    monkeypatch.setattr(precision, "fp32_rows", lambda: precision.onednn_rows)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
     assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
     prompts = prompts_of(2, seed=3, vocab=512)

@@ -9,12 +9,11 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact, on the engine fp32_engine() names. On Intel's CPUs with AVX-512 ("duolm") KernelLinear runs
-    products of up to KERNEL_ROWS rows on duolm.kernels' fp32 kernel (the same dot products in another order, within
-    ~1e-6), longer ones on PyTorch's F.linear (MKL). On other x86 CPUs ("onednn") PackedLinear runs oneDNN on the
-    weight packed once into its blocked layout: faster than F.linear at every size on other vendors' CPUs (MKL's
-    slower paths there) and from 4 to 32 rows on Intel's without AVX-512, where F.linear keeps up to 3 rows and
-    longer inputs (fp32_rows()). Elsewhere ("mkl") F.linear as it is. benchmarks/cpu_engines.py times decoding.
+  * "fp32": exact, on the engines timed on this machine (duolm.engines.fp32_choice(): one for products of up to
+    KERNEL_ROWS rows, fp32_engine(), one for longer ones). "duolm": KernelLinear, duolm.kernels' fp32 kernel (the
+    same dot products in another order, within ~1e-6); "onednn": PackedLinear, oneDNN on the weight packed once into
+    its blocked layout; "mkl": F.linear as it is (or PackedLinear(rows=wide_rows) where oneDNN wins the longer
+    products). benchmarks/cpu_engines.py times decoding on each.
   * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
     input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
@@ -27,9 +26,9 @@ swaps the linears, in place, for modules that say what they run:
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
-Where a kernel is PyTorch-private (oneDNN's packed linear, the quantized engine), it is tried once on a tiny input
-(_works); where it is missing or fails, the module runs the same arithmetic in public torch ops (the same numbers:
-tests/test_precision.py) and a warning says so once.
+Where a kernel is PyTorch-private (oneDNN's matmul, the quantized engine), it is tried once on a tiny input
+(duolm.engines.onednn_runs, _works); where it is missing or fails, the module runs the same arithmetic in public
+torch ops (the same numbers: tests/test_precision.py) and a warning says so once.
 """
 from __future__ import annotations
 
@@ -45,10 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
+from duolm.engines import FEW_ROWS, fp32_choice, on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn
 from duolm.kernels import cpuinfo as _cpuinfo
-from duolm.models.gpt2 import TiedLinear
+from duolm.models.gpt2 import OneQueryAttention, TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
+KERNEL_ROWS = FEW_ROWS
 TRAINING = ("auto", "fp32", "bf16")
 
 
@@ -100,13 +101,9 @@ def autocast(precision: str, device):
 
 @functools.cache
 def _works(kernel: str) -> bool:
-    """Whether a private torch kernel ("onednn", "int8") exists here and runs; warns once where it does not."""
+    """Whether a private torch kernel ("int8": the quantized engine) exists here and runs; warns once where not."""
     try:
-        x, w = torch.randn(2, 8), torch.randn(4, 8)
-        if kernel == "onednn":
-            _onednn(x, _pack(w), None)
-        else:
-            _int8_linear(x, _int8_pack(*int8_rows(w)), False)
+        _int8_linear(torch.randn(2, 8), _int8_pack(*int8_rows(torch.randn(4, 8))), False)
     except (AttributeError, RuntimeError, NotImplementedError) as e:
         warnings.warn(f"duolm.precision: torch's {kernel} kernel is unavailable here ({type(e).__name__}: {e}); "
                       f"running the same arithmetic in public torch ops", RuntimeWarning, stacklevel=3)
@@ -114,88 +111,27 @@ def _works(kernel: str) -> bool:
     return True
 
 
-def onednn_runs() -> bool:
-    """Whether torch's oneDNN linear on a packed weight runs here: an x86 CPU, oneDNN built in, the kernel works."""
-    return platform.machine().lower() in ("x86_64", "amd64") and torch.backends.mkldnn.is_available() \
-        and _works("onednn")
-
-
 def fp32_engine() -> str:
-    """The engine quantize(model, "fp32") runs products on here: "duolm" (KernelLinear) on Intel's CPUs with AVX-512
-    where duolm.kernels build, "onednn" (PackedLinear) on other x86 CPUs, "mkl" (F.linear) elsewhere. A rule, so that
-    every process on a machine makes the same choice and a resumed run, an evaluation and a server compute the same
-    numbers bit for bit; the one switch, through which tests force each engine the machine can run."""
-    if _cpuinfo("vendor_id") == "GenuineIntel" and kernels.available(_cpuinfo("flags") or ""):
-        return "duolm"
-    return "onednn" if onednn_runs() else "mkl"
+    """The engine quantize(model, "fp32") runs products of up to KERNEL_ROWS rows on here, as timed on this machine
+    (duolm.engines.fp32_choice()["few"]): "duolm" (KernelLinear), "onednn" (PackedLinear) or "mkl" (F.linear). The one
+    switch, through which tests force each engine the machine can run."""
+    return fp32_choice()["few"]
 
 
-def fp32_rows():
-    """The rule PackedLinear runs its products by (a vendor rule, as fp32_engine()): rows(m) -> the row count oneDNN
-    runs a product of m rows at, None for F.linear (MKL) on the plain weight. Other vendors' CPUs: onednn_rows,
-    every product (MKL's slower paths there at every size). Intel's: intel_rows."""
-    return intel_rows if _cpuinfo("vendor_id") == "GenuineIntel" else onednn_rows
+def wide_rows(m: int) -> int | None:
+    """PackedLinear's rule where F.linear (MKL) is the faster for few rows and oneDNN for more: None (F.linear) up to
+    KERNEL_ROWS rows, onednn_rows(m) above.
 
-
-def intel_rows(m: int) -> int | None:
-    """Intel's CPUs: 4 to 32 rows run in oneDNN on m rounded up to a power of two, the others through F.linear. MKL's
-    matrix-vector kernel reads a weight for up to 3 rows (decoding one sequence) at the memory's speed, faster than
-    oneDNN's blocked layout, which is the faster from 4 rows, padded or not, to 32; above that MKL is within a
-    third of oneDNN, and oneDNN keeps memory for every distinct product shape it runs (a server's or an
-    evaluation's inputs of many lengths would keep adding to it: tests/test_serve_soak.py). Four row counts a
-    weight (4, 8, 16, 32) bound that memory. benchmarks/cpu_engines.py times decoding both ways.
-
-    >>> [intel_rows(m) for m in (1, 3, 4, 5, 8, 9, 32, 33)]
-    [None, None, 4, 8, 8, 16, 32, None]
+    >>> [wide_rows(m) for m in (1, 32, 33, 100)]
+    [None, None, 33, 104]
     """
-    return 1 << (m - 1).bit_length() if 4 <= m <= 32 else None
-
-
-def onednn_rows(m: int) -> int:
-    """The row count a oneDNN matmul of m rows runs at: m up to 64, above that m rounded up to a step of an eighth
-    of the power of two below it (at most 12.5% more rows, padding). oneDNN keeps memory for every distinct (rows,
-    weight shape) it has run; a server or an evaluation on inputs of varied length meets a new row count at almost
-    every batch, and the memory would grow with each (tests/test_precision.py). Bucketed, the row counts are at
-    most 64 + 8 per doubling.
-
-    >>> [onednn_rows(m) for m in (1, 64, 65, 100, 128, 129, 1000, 1024, 1025)]
-    [1, 64, 72, 104, 128, 144, 1024, 1024, 1152]
-    """
-    if m <= 64:
-        return m
-    step = 1 << ((m - 1).bit_length() - 4)
-    return -(-m // step) * step
-
-
-def _pack(w: torch.Tensor, rows: int = 64) -> torch.Tensor:
-    """w in the layout oneDNN picks for products of `rows` rows; one packing serves every row count. For fp32,
-    rows > 1 gives its blocked layout, read by its AVX-512 kernels whatever the row count (rows=1 keeps the plain
-    layout, read with AVX2 code: benchmarks/cpu_engines.py times both)."""
-    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
-
-
-def _on_rows(f, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
-    """f(x) for a product f of each row of x, run on `rows` rows (None: onednn_rows()): x padded with zero rows, which
-    the result leaves out."""
-    m = x.numel() // x.shape[-1]
-    rows = rows or onednn_rows(m)
-    if rows == m:
-        return f(x)
-    padded = x.new_zeros(rows, x.shape[-1])
-    padded[:m] = x.reshape(m, -1)
-    y = f(padded)[:m]
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return onednn_rows(m) if m > KERNEL_ROWS else None
 
 
 def _plain(x: torch.Tensor) -> bool:
     """Whether a forward on x takes F.linear rather than a packed weight: autograd on (training), or under
     torch.compile (inductor lowers only weights it packed)."""
     return (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling()
-
-
-def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
-    """x @ W.T + bias through oneDNN on a packed W, on `rows` rows (None: onednn_rows())."""
-    return _on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, packed, bias, "none", [], ""), x, rows)
 
 
 def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -302,8 +238,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_ra
 
 class PackedLinear(nn.Module):
     """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn"),
-    a product of m rows run at rows(m) rows (fp32_rows()); where rows(m) is None through F.linear on W, as are
-    training forwards (autograd on) and forwards under torch.compile (inductor lowers only weights it packed)."""
+    a product of m rows run at rows(m) rows (onednn_rows, or wide_rows); where rows(m) is None through F.linear on W,
+    as are training forwards (autograd on) and forwards under torch.compile (inductor lowers only weights it
+    packed)."""
 
     exportable = False          # torch.export cannot trace oneDNN's packed weight (an opaque tensor) among its buffers
 
@@ -311,44 +248,46 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
-        self.register_buffer("packed", _pack(weight.detach()))
+        self.register_buffer("packed", pack_onednn(weight.detach()))
         self.rows = rows
 
     def forward(self, x):
         rows = self.rows(x.numel() // x.shape[-1])
         if rows is None or _plain(x):
             return F.linear(x, self.weight, self.bias)
-        return _onednn(x, self.packed, self.bias, rows)
+        return onednn_linear(x, self.packed, self.bias, rows)
 
     def extra_repr(self):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
                f"bias={self.bias is not None}, kernel=onednn fp32, rows={self.rows.__name__}"
 
 
-KERNEL_ROWS = 32
-
-
 class KernelLinear(nn.Module):
     """y = x W^T + b in exact fp32 (within ~1e-6), fp32_engine() "duolm": up to KERNEL_ROWS rows (decoding, short
-    prompts) on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once, faster there than
-    MKL's F.linear and oneDNN (PackedLinear); longer inputs and training forwards through F.linear on W (MKL)."""
+    prompts) on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once; longer inputs on
+    oneDNN on the plain W where it is the faster here (wide_onednn: duolm.engines' "wide"; no second copy of W), else
+    on F.linear, as are training forwards and forwards under torch.compile."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, wide_onednn: bool = False):
         super().__init__()
         if not kernels.ready():                             # the kernels built and loaded (once), or why not
             raise ValueError("duolm's fp32 kernel does not run on this CPU (AVX-512 and a C++ compiler needed)")
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.register_buffer("packed", kernels.pack_fp32(weight))
+        self.wide_onednn = wide_onednn
 
     def forward(self, x):
         if x.numel() > KERNEL_ROWS * x.shape[-1] or (torch.is_grad_enabled() and x.requires_grad):
+            if self.wide_onednn and not _plain(x):
+                return onednn_linear(x, self.weight, self.bias)
             return F.linear(x, self.weight, self.bias)
         return kernels.fp32_linear(x, self.packed, self.bias, self.weight.shape[0])
 
     def extra_repr(self):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, " \
-               f"bias={self.bias is not None}, kernel=duolm fp32 up to {KERNEL_ROWS} rows, F.linear above"
+               f"bias={self.bias is not None}, kernel=duolm fp32 up to {KERNEL_ROWS} rows, " \
+               f"{'onednn' if self.wide_onednn else 'F.linear'} above"
 
 
 class BF16Linear(nn.Module):
@@ -364,14 +303,14 @@ class BF16Linear(nn.Module):
         self.register_buffer("weight", w)
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         on_onednn = w.device.type == "cpu" and native_bf16("cpu") and onednn_runs()
-        self.register_buffer("packed", _pack(w) if on_onednn else None)
+        self.register_buffer("packed", pack_onednn(w) if on_onednn else None)
 
     def forward(self, x):
         x = x.to(torch.bfloat16)
         if self.packed is None or _plain(x):
-            y = _on_rows(lambda v: F.linear(v, self.weight), x)
+            y = on_rows(lambda v: F.linear(v, self.weight), x)
         else:
-            y = _onednn(x, self.packed, None)
+            y = onednn_linear(x, self.packed, None)
         y = y.float()
         return y if self.bias is None else y + self.bias
 
@@ -443,7 +382,7 @@ class Int8Linear(nn.Module):
         added leave the input's scale, and so every row's result, as it is), fewer on the x86 engine's. The two
         compute the same formula, to float rounding."""
         if self.packed_wide is not None and v.numel() >= WIDE_ROWS * v.shape[-1]:
-            return _on_rows(lambda u: _int8_linear(u, self.packed_wide, _REDUCE_RANGE), v)
+            return on_rows(lambda u: _int8_linear(u, self.packed_wide, _REDUCE_RANGE), v)
         return _int8_linear(v, self.packed, _REDUCE_RANGE)
 
     def matmul(self, v):
@@ -468,6 +407,26 @@ class Int8Linear(nn.Module):
                f"bias={self.bias is not None}, kernel={kernel}"
 
 
+class KernelAttention(OneQueryAttention):
+    """One query's attention over the cache as one call of duolm.kernels (fp32: only the columns the mask shows are
+    read), in the eager decoding step too (fused); other dtypes and autograd take the formula."""
+
+    fused = True
+
+    def forward(self, q, k, v, mask):
+        if q.dtype == k.dtype == v.dtype == torch.float32 and not q.requires_grad:
+            return kernels.one_query_attention(q, k, v, mask)
+        return super().forward(q, k, v, mask)
+
+
+def engines_report() -> dict:
+    """What runs the matmuls on this CPU, as quantize() would swap them in (timing the fp32 engines first if this
+    machine has no choice kept yet): the machine, the fp32 engines with their timings, int8's engine, attention's."""
+    return {"machine": machine(), "fp32": fp32_choice(),
+            "int8": "duolm AVX512-VNNI" if vnni_rows() else "torch x86 (fbgemm)" if _works("int8") else "public ops",
+            "attention": "duolm" if kernels.ready() else "torch (SDPA, the formula when compiled)"}
+
+
 def _swap(precision: str, device: torch.device):
     """The module class `precision` swaps a linear for on `device`, None where F.linear is what runs."""
     if precision == "int8":
@@ -477,8 +436,12 @@ def _swap(precision: str, device: torch.device):
     if precision == "bf16":
         return BF16Linear
     if precision == "fp32":
-        engine = fp32_engine() if device.type == "cpu" else "mkl"
-        return {"duolm": KernelLinear, "onednn": functools.partial(PackedLinear, rows=fp32_rows()), "mkl": None}[engine]
+        if device.type != "cpu":
+            return None
+        engine, wide = fp32_engine(), fp32_choice()["wide"] == "onednn"
+        if engine == "duolm":
+            return functools.partial(KernelLinear, wide_onednn=wide)
+        return PackedLinear if engine == "onednn" else functools.partial(PackedLinear, rows=wide_rows) if wide else None
     raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
 
 
@@ -486,14 +449,18 @@ def quantize(model: nn.Module, precision: str) -> nn.Module:
     """Swaps, in place, every nn.Linear of `model` and its tied output layers (TiedLinear) for the module that runs
     `precision` ("fp32", "bf16", "int8": see the module docstring) and returns the model, in eval mode: a model for
     inference, its linears' weights now buffers in the form they run in (save the model before, not after:
-    duolm.save refuses one). print(model) shows what runs; the embeddings, LayerNorms and the rest stay."""
+    duolm.save refuses one), and on a CPU where duolm.kernels run GPT-2's one-query attention their kernel
+    (KernelAttention). print(model) shows what runs; the embeddings, LayerNorms and the rest stay. The first call in
+    a process may build duolm.kernels and, once on a machine, time the fp32 engines (duolm.engines): each says so."""
     device = next(model.parameters()).device
     swap = _swap(precision, device)
-    if swap is not None:
-        for parent in list(model.modules()):
-            for name, child in parent.named_children():
-                if type(child) in (nn.Linear, TiedLinear):
-                    setattr(parent, name, swap(child.weight, child.bias))
+    attention = device.type == "cpu" and kernels.ready()
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) in (nn.Linear, TiedLinear) and swap is not None:
+                setattr(parent, name, swap(child.weight, child.bias))
+            elif type(child) is OneQueryAttention and attention:
+                setattr(parent, name, KernelAttention())
     return model.eval()
 
 

@@ -1,4 +1,5 @@
-"""Subcommands that make and use models: tokenizer, convert, prepare, pretrain, generate, fill-mask, serve, demo."""
+"""Subcommands that make and use models: tokenizer, convert, prepare, pretrain, generate, fill-mask, serve, demo,
+env."""
 from __future__ import annotations
 
 import sys
@@ -249,3 +250,25 @@ def add_demo(sub):
     p.add_argument("--gpt2-steps", type=int, help="GPT-2's training steps (400)")
     p.add_argument("--bert-steps", type=int, help="BERT's training steps (3000)")
     p.set_defaults(func=cmd_demo)
+
+
+def cmd_env(args):
+    import json
+
+    from duolm.precision import engines_report
+    r = engines_report()
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return
+    m, fp32 = r["machine"], r["fp32"]
+    print(f"CPU: {m['cpu']} ({m['capability']}, {m['threads']} threads, native bf16: {m['native_bf16']})")
+    print(f"fp32: {fp32['few']} up to 32 rows, {fp32['wide']} above (timed on this machine, key {fp32['key']})")
+    for name, times in fp32["times"].items():
+        print(f"  {name:>12}: " + ", ".join(f"{rows} rows {t * 1e3:.2f} ms" for rows, t in times.items()))
+    print(f"int8: {r['int8']}\nattention (decoding): {r['attention']}")
+
+
+def add_env(sub):
+    p = sub.add_parser("env", help="print the engines that run the matmuls on this CPU, timed once on the machine")
+    p.add_argument("--json", action="store_true", help="print it as JSON")
+    p.set_defaults(func=cmd_env)

@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from duolm import kernels
 from duolm.models.dropout import Dropout, attention
 
 
@@ -152,16 +151,9 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------
 # Causal self-attention
 
-def kernel_attends(q, k, v) -> bool:
-    """Whether one query's attention runs as kernels.one_query_attention: fp32 on a CPU where duolm.kernels run, no
-    gradient asked for."""
-    return q.device.type == "cpu" and {q.dtype, k.dtype, v.dtype} == {torch.float32} and not q.requires_grad \
-        and kernels.ready()
-
-
 def one_query_attention(q, k, v, mask) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) under mask) v for one query a row, as products and sums in fp32: q (B, nh, 1, hd),
-    k and v (B, nh, L, hd), mask bool (B, 1, 1, L) -> (B, nh, 1, hd) in v's dtype. A static decode step's attention
+    k and v (B, nh, L, hd), mask bool (B, 1, 1, L) or None (every column) -> (B, nh, 1, hd) in v's dtype. A static decode step's attention
     (GPT2.step), which torch.compile fuses into three small reductions (the scores, the softmax, the weighted sum): a
     fused attention kernel tiles many queries, and for one query over the cache it cost a compiled GPU step more
     than its matrix products in fp32 (docs/benchmarks.md, the static step).
@@ -170,13 +162,23 @@ def one_query_attention(q, k, v, mask) -> torch.Tensor:
     scores [2, 0] / sqrt(2) = [1.414, 0], softmax [0.804, 0.196], so values [1, 1], [3, 5], [9, 9] give
     0.804 [1, 1] + 0.196 [3, 5] = [1.39, 1.78].
 
-    Where kernel_attends(), the formula is one call, kernels.one_query_attention, which reads the keys and values of
-    the columns the mask shows and no others (the eager decoding step's attention there too)."""
-    if kernel_attends(q, k, v):
-        return kernels.one_query_attention(q, k, v, mask)
+    OneQueryAttention runs it; quantize() on a CPU where duolm.kernels run swaps in one call of theirs."""
     scores = (q.float() * k.float()).sum(-1) * q.shape[-1] ** -0.5                   # (B, nh, L)
-    weights = scores.masked_fill(~mask[:, :, 0], float("-inf")).softmax(-1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask[:, :, 0], float("-inf"))
+    weights = scores.softmax(-1)
     return (weights[..., None] * v.float()).sum(-2, keepdim=True).to(v.dtype)
+
+
+class OneQueryAttention(nn.Module):
+    """Decoding's attention, one query a row over the cache: one_query_attention(q, k, v, mask) in a static step. A
+    module of its own so that a faster one can be swapped in, visibly (print(model)): duolm.precision.KernelAttention,
+    one fused call that also runs the eager decoding step's attention (`fused`), where plain torch runs SDPA."""
+
+    fused = False
+
+    def forward(self, q, k, v, mask):
+        return one_query_attention(q, k, v, mask)
 
 
 class Attention(nn.Module):
@@ -187,6 +189,7 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_drop = Dropout(config.dropout)
+        self.one_query = OneQueryAttention()
 
     def forward(self, x, mask=None, kv=None):
         """x (B, T, C). mask: None (plain causal) or bool (B|1, 1, T, past + T), True = may attend.
@@ -201,15 +204,15 @@ class Attention(nn.Module):
         if kv is not None and isinstance(kv[2], torch.Tensor):   # a static step (GPT2.step)
             k_buf, v_buf, at = kv
             k, v = k_buf.index_copy_(2, at, k), v_buf.index_copy_(2, at, v)   # the whole cache; the mask hides the rest
-            y = one_query_attention(q, k, v, mask)
+            y = self.one_query(q, k, v, mask)
         else:
             if kv is not None:
                 k_buf, v_buf, past = kv
                 k_buf[:, :, past:past + T] = k
                 v_buf[:, :, past:past + T] = v
                 k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
-            if T == 1 and kv is not None and kernel_attends(q, k, v):
-                y = kernels.one_query_attention(q, k, v, mask)      # decoding on the CPU: the cache read once
+            if T == 1 and kv is not None and self.one_query.fused:
+                y = self.one_query(q, k, v, mask)                   # decoding, on a fused kernel swapped in
             else:
                 # Without a mask, SDPA's is_causal (top-left aligned) is exact when there is no past;
                 # with a past, GPT2 builds the mask except for T == 1, where every key is visible.

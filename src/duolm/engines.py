@@ -1,0 +1,177 @@
+"""Which engine multiplies fp32 matrices on this CPU, chosen by timing the candidates once on the machine and kept on
+disk (as cuDNN's benchmark mode chooses, but kept: every process on a machine reads the same choice, so a resumed run,
+an evaluation and a server compute the same numbers bit for bit). The candidates:
+
+    "duolm"   duolm.kernels' fp32 kernel on a weight packed for it (where the kernels build: AVX-512)
+    "onednn"  oneDNN's matmul (torch.ops.mkldnn) on a weight packed into its blocked layout, or on the plain weight
+    "mkl"     PyTorch's F.linear (MKL's sgemm on x86)
+
+    fp32_choice()   # {"few": "duolm", "wide": "onednn", "times": {...}, "key": ...}: the engine for products of up to
+                    # FEW_ROWS rows (decoding: a token of each sequence) and the one for more (prompts, encoders)
+
+"few" is timed at 1 and 8 rows, "wide" at 512 rows, on weights of 256 MB in all: more than a CPU's last-level cache, so
+that, as when decoding a real model, every product streams its weight from memory. An engine wins by more than 3% or
+the earlier one in the order above stays (a tie is noise). The choice is kept under the key of what decides it (the
+CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a file that is missing,
+unreadable or for another key is measured again (~2 s) and rewritten, with one line on stderr. duolm.precision's
+quantize() asks for it, the visible moment; `duolm env` prints it.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import platform
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from duolm import kernels
+from duolm.fileio import write_json
+
+FEW_ROWS = 32                                   # KernelLinear's kernel runs up to this many rows
+CACHE = Path.home() / ".cache" / "duolm" / "engines.json"
+log = logging.getLogger("duolm.engines")
+
+
+def onednn_rows(m: int) -> int:
+    """The row count a oneDNN matmul of m rows runs at: m up to 64, above that m rounded up to a step of an eighth
+    of the power of two below it (at most 12.5% more rows, padding). oneDNN keeps memory for every distinct (rows,
+    weight shape) it has run; a server or an evaluation on inputs of varied length meets a new row count at almost
+    every batch, and the memory would grow with each (tests/test_precision.py). Bucketed, the row counts are at
+    most 64 + 8 per doubling.
+
+    >>> [onednn_rows(m) for m in (1, 64, 65, 100, 128, 129, 1000, 1024, 1025)]
+    [1, 64, 72, 104, 128, 144, 1024, 1024, 1152]
+    """
+    if m <= 64:
+        return m
+    step = 1 << ((m - 1).bit_length() - 4)
+    return -(-m // step) * step
+
+
+def pack_onednn(w: torch.Tensor, rows: int = 64) -> torch.Tensor:
+    """w in the layout oneDNN picks for products of `rows` rows; one packing serves every row count. For fp32,
+    rows > 1 gives its blocked layout, read by its AVX-512 kernels whatever the row count (rows=1 keeps the plain
+    layout, read with AVX2 code: benchmarks/cpu_engines.py times both)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w, rows)
+
+
+def on_rows(f, x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """f(x) for a product f of each row of x, run on `rows` rows (None: onednn_rows()): x padded with zero rows, which
+    the result leaves out."""
+    m = x.numel() // x.shape[-1]
+    rows = rows or onednn_rows(m)
+    if rows == m:
+        return f(x)
+    padded = x.new_zeros(rows, x.shape[-1])
+    padded[:m] = x.reshape(m, -1)
+    y = f(padded)[:m]
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def onednn_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, rows: int | None = None):
+    """x @ W.T + bias through oneDNN on W packed (pack_onednn) or plain, on `rows` rows (None: onednn_rows())."""
+    return on_rows(lambda v: torch.ops.mkldnn._linear_pointwise(v, w, bias, "none", [], ""), x, rows)
+
+
+@functools.cache
+def onednn_runs() -> bool:
+    """Whether torch's oneDNN matmul runs here (x86, oneDNN built in, the private op present); warns once if not."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        onednn_linear(torch.randn(2, 8), pack_onednn(torch.randn(4, 8)), None)
+    except (AttributeError, RuntimeError, NotImplementedError) as e:
+        warnings.warn(f"duolm.engines: torch's oneDNN matmul is unavailable here ({type(e).__name__}: {e}); "
+                      f"F.linear runs instead", RuntimeWarning, stacklevel=2)
+        return False
+    return True
+
+
+def candidates() -> dict:
+    """The engines that run here -> (prepare(w) -> the form the engine reads, run(x, form) -> x @ w.T)."""
+    out = {"mkl": (lambda w: w, lambda x, w: F.linear(x, w))}
+    if onednn_runs():
+        out["onednn"] = (pack_onednn, lambda x, p: onednn_linear(x, p, None))
+        out["onednn plain"] = (lambda w: w, lambda x, w: onednn_linear(x, w, None))
+    if kernels.ready():
+        out["duolm"] = (lambda w: (kernels.pack_fp32(w), len(w)), lambda x, p: kernels.fp32_linear(x, p[0], None, p[1]))
+    return out
+
+
+def time_engines(rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5) -> dict:
+    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`), for weights of 4096 x 4096
+    (64 MB each) adding up to `megabytes`: the weights streamed from memory, as decoding a real model streams them."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(4096, 4096, generator=g) * 0.02 for _ in range(max(1, megabytes // 64))]
+    times: dict = {}
+    with torch.inference_mode():
+        for name, (prepare, run) in candidates().items():
+            forms = [prepare(w) for w in weights]
+            for m in rows:
+                x = torch.randn(m, 4096, generator=g)
+                run(x, forms[0])                                        # a first call builds oneDNN's kernel
+                best = float("inf")
+                for _ in range(repeats):
+                    start = time.perf_counter()
+                    for f in forms:
+                        run(x, f)
+                    best = min(best, time.perf_counter() - start)
+                times.setdefault(name, {})[m] = best
+            del forms
+    return times
+
+
+def choose(times: dict, margin: float = 0.03) -> dict:
+    """The engine for few rows (the sum of the 1- and 8-row times) and for wide products (512 rows) from time_engines'
+    `times`: the fastest, unless it beats the first in the order duolm, onednn, mkl that is within `margin` of it.
+
+    >>> choose({"mkl": {1: 3.0, 8: 3.0, 512: 9.0}, "onednn": {1: 2.0, 8: 2.0, 512: 6.0},
+    ...         "onednn plain": {1: 2.5, 8: 2.5, 512: 6.1}, "duolm": {1: 1.5, 8: 2.4, 512: 8.0}})
+    {'few': 'duolm', 'wide': 'onednn'}
+    """
+    def best(names, cost):
+        names = [n for n in names if n in times]
+        fastest = min(cost(n) for n in names)
+        return next(n for n in names if cost(n) <= fastest * (1 + margin))
+    few = best(["duolm", "onednn", "mkl"], lambda n: times[n][1] + times[n][8])
+    wide = best(["onednn plain", "onednn", "mkl"], lambda n: times[n][512])
+    return {"few": few, "wide": "onednn" if wide.startswith("onednn") else "mkl"}
+
+
+def machine_key() -> str:
+    """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads."""
+    parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
+             torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads())]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def fp32_choice(cache: Path | None = None) -> dict:
+    """This machine's fp32 engines ({"few", "wide", "times", "key"}): read from `cache` (default CACHE) where it holds
+    this machine_key(), else timed (time_engines, choose) and written there (a cache that cannot be written is said
+    once and the choice kept for the process)."""
+    path, key = cache or CACHE, machine_key()
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+        if kept.get("key") == key and {kept.get("few"), kept.get("wide")} <= {"duolm", "onednn", "mkl"}:
+            return kept
+    except (OSError, ValueError, AttributeError):
+        pass
+    start = time.perf_counter()
+    times = time_engines()
+    choice = {**choose(times), "times": {n: {str(m): t for m, t in ts.items()} for n, ts in times.items()}, "key": key}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, choice, indent=1)
+        where = f"kept in {path}"
+    except OSError as e:
+        where = f"not kept ({path}: {e.strerror or e})"
+    log.warning("duolm: timed the fp32 engines on this CPU in %.1f s: %s for few rows, %s for more; %s",
+                time.perf_counter() - start, choice["few"], choice["wide"], where)
+    return choice
