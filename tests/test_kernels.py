@@ -1,12 +1,21 @@
 """duolm.kernels: the fp32 product of a few rows against F.linear, the AVX512-VNNI int8 product against its formula
 in torch ops (int8_reference(): the same u8, exact sums), both at GPT-2's shapes and at widths that are no multiple of
 their blocks; KernelLinear and Int8Linear running them on the row counts they are for; an int8 row's result the same
-in any batch; torch.compile over models that hold them; the fallback where they do not build. On a CPU without
+in any batch; torch.compile over models that hold them; their build (a killed build that stops nobody, two builds at
+once, a built library loaded quietly) and the fallback where they do not build. On a CPU without
 AVX-512 (fp32) or AVX512-VNNI (int8) they do not run, and the tests that run them say so as they skip."""
 from __future__ import annotations
 
 import copy
 import doctest
+import functools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -124,25 +133,146 @@ def test_compile_calls_the_kernel_as_an_operator():
     assert torch.equal(got, want)
 
 
-def test_without_avx512_or_without_a_build_torchs_kernels_run(monkeypatch):
-    """A CPU without AVX-512 never builds the kernels (one without VNNI runs no int8 kernel); where the build fails (no
-    compiler, say) a warning says so once, Int8Linear holds torch's packed weight and fp32 swaps to PackedLinear."""
+def test_without_avx512_or_without_a_compiler_torchs_kernels_run(monkeypatch):
+    """A CPU without AVX-512 never builds the kernels (one without VNNI runs no int8 kernel); where there is no
+    compiler a warning says so once and Int8Linear holds torch's packed weight."""
     assert not kernels.available("avx2 fma") and not kernels.int8_supported("avx512f avx512bw")
-    import torch.utils.cpp_extension
-
-    def no_compiler(**kwargs):
-        raise RuntimeError("Error building extension 'duolm_kernels'")
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(kernels, "COMPILERS", ("duolm-no-such-compiler",))
+    _avx512(monkeypatch)
     flags = "avx512f avx512bw avx512_vnni (a CPU of this test)"
-    with pytest.warns(RuntimeWarning, match="did not build .*Error building extension"):
+    with pytest.warns(RuntimeWarning, match="did not build .*no C\\+\\+ compiler") as warned:
         assert not kernels.available(flags)
+    assert len(warned) == 1
     assert not kernels.available(flags)                              # once: the answer is kept
     monkeypatch.setattr(precision, "_cpuinfo", lambda field: {"flags": flags, "vendor_id": "GenuineIntel"}.get(field))
     q = Int8Linear(torch.randn(32, 16), None)
     assert q.packed_rows is None and (q.packed is not None) == precision._works("int8")
-    assert precision.fp32_engine() != "duolm" and precision._swap("fp32", torch.device("cpu")) is not KernelLinear
+
+
+def _avx512(monkeypatch):
+    """kernels.supported() true for flags with avx512f on any machine (for the tests that load nothing)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+
+
+def _compiler(folder, body, version="echo 'the compiler of this test 1.0'"):
+    """A C++ compiler of a test: a shell script that runs `version` for --version and `body` for anything else."""
+    script = folder / "cxx"
+    script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then {version}; exit; fi\n{body}\n')
+    script.chmod(0o755)
+    return str(script)
+
+
+FAILURES = {           # what the test's compiler does when asked to compile, what the warning says
+    "a failed compile": ("echo 'kernels.cpp:1:1: error: this compile fails' >&2; exit 1",
+                         "RuntimeError: .*cxx failed: kernels.cpp:1:1: error: this compile fails"),
+    "a compile over the timeout": ("exec sleep 60", "RuntimeError: .*cxx ran over 1 s"),
+    "a folder that cannot be written": ("exit 1", "NotADirectoryError: .*Not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", FAILURES)
+def test_a_build_that_fails_warns_once_and_torchs_kernels_run(case, tmp_path, monkeypatch):
+    """Each way a build fails ends the same: one RuntimeWarning that says why, available() False (duolm.precision on
+    torch's kernels), no exception, and no file left in the cache folder. The compiler is a script of the test (no
+    real build): one that fails, one that outlives the timeout (1 s here)."""
+    compile_, match = FAILURES[case]
+    monkeypatch.setattr(kernels, "COMPILERS", (_compiler(tmp_path, compile_),))
+    monkeypatch.setattr(kernels, "build", functools.partial(kernels.build, timeout=1))
+    cache = tmp_path / "cache"
+    if case == "a folder that cannot be written":
+        (tmp_path / "a file").write_text("")
+        cache = tmp_path / "a file" / "cache"                  # root writes past a chmod, not under a file
+    _avx512(monkeypatch)
+    with pytest.warns(RuntimeWarning, match=f"did not build \\({match}") as warned:
+        assert not kernels.available(f"avx512f ({case})", cache)
+    assert len(warned) == 1
+    assert not cache.is_dir() or list(cache.iterdir()) == []
+
+
+# ---- the build, in processes of their own: a library loads into a process once ---------------------------------
+
+builds = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512 (or this machine a C++ compiler): "
+                            "duolm.kernels does not build here")
+
+LOAD = """
+import sys, torch, torch.nn.functional as F
+from pathlib import Path
+from duolm import kernels
+kernels.COMPILERS = tuple(sys.argv[2:]) or kernels.COMPILERS
+assert kernels.available(kernels.cpuinfo("flags"), Path(sys.argv[1]))
+w, x = torch.randn(37, 100), torch.randn(3, 100)
+torch.testing.assert_close(kernels.fp32_linear(x, kernels.pack_fp32(w), None, 37), F.linear(x, w), atol=1e-5,
+                           rtol=1e-5)
+"""
+
+
+def _load(cache, *compilers):
+    """A process that builds or loads the kernels from `cache` and checks fp32_linear against F.linear, in a session of
+    its own (the whole of it can be killed)."""
+    return subprocess.Popen([sys.executable, "-c", LOAD, str(cache), *compilers], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _stderr(process):
+    """`process`'s stderr once it exits 0, within 10 minutes (a hang fails, killed)."""
+    try:
+        err = process.communicate(timeout=600)[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 0, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A cache folder where a build was killed (SIGKILL, the compiler's too) 2 s into its compile, then two processes
+    built at once: (the folder, its files after the kill, the killed build's state, the two builders' stderr)."""
+    cache = tmp_path_factory.mktemp("kernels")
+    killed = _load(cache)
+    for _ in range(1200):                                   # its temporary file: the compiler's run begins
+        if killed.poll() is not None or list(cache.glob("*.tmp")):
+            break
+        time.sleep(0.1)
+    time.sleep(2)
+    compiling = killed.poll() is None
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait()
+    after_kill = sorted(p.name for p in cache.iterdir())
+    builders = [_load(cache) for _ in range(2)]
+    return cache, after_kill, compiling, [_stderr(p) for p in builders]
+
+
+@builds
+def test_a_killed_build_stops_nobody_and_builds_at_once_agree(built):
+    """The user's report: a build killed mid-way (an OOM kill) left torch's lock, and every later process waited on it
+    forever. Now the killed build leaves its temporary file only; two processes that then build into the folder at
+    once each build, load and compute F.linear's numbers, and leave one library (the same name) beside the killed
+    build's file."""
+    cache, after_kill, compiling, stderrs = built
+    assert compiling and len(after_kill) == 1 and after_kill[0].endswith(".tmp")
+    for err in stderrs:                                     # the one line of a build: what, where, how long
+        assert len(re.findall(r"duolm\.kernels: built .*/duolm_kernels-\w+\.so from kernels\.cpp with .* in [\d.]+ s\n",
+                              err)) == 1
+    library = [p.name for p in cache.glob("*.so")]
+    assert len(library) == 1 and sorted(p.name for p in cache.iterdir()) == sorted(library + after_kill)
+
+
+@builds
+def test_a_built_library_is_loaded_quietly_and_killed_builds_are_cleared(built, tmp_path):
+    """A process that finds the library builds nothing (its compiler fails any compile, answering --version as the
+    real one: the same name) and says nothing; it removes killed builds' temporary files older than an hour and keeps a
+    younger one (a build under way)."""
+    cache, after_kill, _, _ = built
+    os.utime(cache / after_kill[0], (time.time() - 7200,) * 2)
+    under_way = cache / "duolm_kernels-0.1.under-way.tmp"
+    under_way.write_text("")
+    library = sorted(cache.glob("*.so"))
+    real = next(filter(None, map(shutil.which, kernels.COMPILERS)))
+    err = _stderr(_load(cache, _compiler(tmp_path, "exit 1", version=f"exec {real} --version")))
+    assert "duolm.kernels" not in err
+    assert sorted(cache.iterdir()) == sorted(library + [under_way])
 
 
 @fp32

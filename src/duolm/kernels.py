@@ -1,10 +1,19 @@
 """duolm's CPU kernels for decoding, kernels.cpp: products of the few rows decoding multiplies (a token of each
 sequence), each weight packed once so that one pass over it serves every row, its next lines prefetched, and one
-query's attention over a KV cache. Built by torch's C++ extension loader the first time a process needs them (~20 s;
-cached after, under torch's extensions folder), where the CPU has AVX-512 (available(); ready() on this CPU);
-duolm.precision's KernelLinear and Int8Linear run the products, GPT-2's decoding step the attention
-(duolm.models.gpt2.kernel_attends). Each is an operator (duolm_cpu::...) with a shape function, which compiled graphs
-call as it is.
+query's attention over a KV cache. Where the CPU has AVX-512 (available(); ready() on this CPU) duolm.precision's
+KernelLinear and Int8Linear run the products, GPT-2's decoding step the attention (duolm.models.gpt2.kernel_attends).
+Each is an operator (duolm_cpu::...) with a shape function, which compiled graphs call as it is.
+
+The build: the first process that needs the kernels on a machine compiles kernels.cpp into a shared library with one
+run of the C++ compiler (~20 s; a line on stderr says what was built, where and in how long), into a cache folder
+(~/.cache/duolm/kernels unless told), under a name that hashes what the library depends on: the source, torch's
+version, the compiler's flags and its `--version`; a changed one builds anew, every later process loads the file
+silently. There is no lock, so a killed build (SIGKILL, the OOM killer) can leave nobody waiting on it: each build
+writes a temporary file of its own and moves it into place with os.replace, atomically, so two processes building at
+once each end with a complete library, and a killed build leaves a temporary file that nobody reads (removed by a later
+process after an hour). The compiler's run is bounded (TIMEOUT). Where the kernels cannot be had (no compiler, a
+failed or overlong build, a cache folder that cannot be written) a warning says why, once, and duolm.precision runs
+torch's kernels instead.
 
 fp32_linear(x, pack_fp32(W), b) = x W^T + b in fp32 (the sums in k's order: F.linear's numbers to float rounding).
 
@@ -17,21 +26,34 @@ duolm.precision.int8_rows), each row of x is mapped onto 0..255 by its own min l
 
 with row_sums[n] = sum_k q[n, k] scale[n]. Every row gets all 256 steps whatever the other rows hold, and a row's
 result is the same bits alone as in any batch (the sums are exact integers). int8_reference() is the formula in
-torch ops. Where the kernels cannot be had, duolm.precision runs torch's kernels instead.
+torch ops.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
+import logging
 import os
 import platform
+import secrets
+import shutil
+import subprocess
+import time
 import warnings
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils.cpp_extension import include_paths
 
 SOURCE = Path(__file__).with_suffix(".cpp")
+CACHE = Path.home() / ".cache" / "duolm" / "kernels"
+COMPILERS = ("g++", "c++")                              # the first of these on PATH builds the kernels
+TIMEOUT = 300.0                                         # seconds a compiler's run may take (~20 s on 2 cores)
+STALE = 3600.0                                          # a temporary file this old is a killed build's
 _FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]     # -fopenmp: at::parallel_for's threads; int8's own target: VNNI
+_log = logging.getLogger("duolm.kernels")
 
 
 @functools.cache
@@ -56,27 +78,66 @@ def int8_supported(flags: str) -> bool:
     return supported(flags) and {"avx512bw", "avx512_vnni"} <= set(flags.split())
 
 
+def build(cache: Path = CACHE, timeout: float = TIMEOUT) -> Path:
+    """The kernels' shared library in `cache`, built there first where it is not (the module's docstring: the name,
+    why no lock); not loaded. Raises RuntimeError (no compiler, a failed or overlong compile) or OSError (a folder
+    that cannot be written)."""
+    cxx = next(filter(None, map(shutil.which, COMPILERS)), None)
+    if cxx is None:
+        raise RuntimeError(f"no C++ compiler: none of {', '.join(COMPILERS)} on PATH")
+    lib = Path(torch.__file__).parent / "lib"                  # c10 and torch_cpu: the operators' registry
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"     # std::string as torch's
+    flags = ["-std=c++17", *_FLAGS, "-fPIC", "-shared", abi, *(f"-I{p}" for p in include_paths()), str(SOURCE),
+             f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update("\0".join([torch.__version__, *flags, _run([cxx, "--version"], timeout).stdout]).encode())
+    path = cache / f"duolm_kernels-{key.hexdigest()[:16]}.so"
+    for old in cache.glob("*.tmp"):                   # killed builds' (a live one's is younger than TIMEOUT)
+        with contextlib.suppress(OSError):
+            if time.time() - old.stat().st_mtime > STALE:
+                old.unlink()
+    if path.exists():
+        return path
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = cache / f"{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"     # this build's own
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o755))     # the umask's mode (the linker keeps it)
+    start = time.perf_counter()
+    try:
+        _run([cxx, *flags, "-o", str(tmp)], timeout)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())                            # on disk before its name: never a cut library
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _log.warning("duolm.kernels: built %s from %s with %s in %.1f s", path, SOURCE.name, cxx,
+                 time.perf_counter() - start)
+    return path
+
+
+def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    """cmd's run, bounded: a RuntimeError with the compiler's first error line where it fails or runs over."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{cmd[0]} ran over {timeout:g} s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise RuntimeError(f"{cmd[0]} failed: {next((line for line in lines if 'error' in line), lines[-1])}")
+    return done
+
+
 @functools.cache
-def available(flags: str) -> bool:
-    """Whether the kernels run here: the CPU supports them (supported()) and they build (a C++ compiler, ninja); a
-    failed build warns once and leaves duolm.precision on torch's kernels."""
+def available(flags: str, cache: Path = CACHE) -> bool:
+    """Whether the kernels run here: the CPU supports them (supported()) and they build into `cache` (build()) and
+    load, once a process; where they do not, a warning says why, once, and duolm.precision runs torch's kernels."""
     if not supported(flags):
         return False
-    path = os.environ.get("PATH", "")
     try:
-        import ninja                                         # the loader runs `ninja`: the package's, venv active or not
-        from torch.utils.cpp_extension import load
-
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path])
-        load(name="duolm_kernels", sources=[str(SOURCE)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-             is_python_module=False)
-    except Exception as e:                                   # noqa: BLE001 - no compiler, no ninja, a failed build
-        warnings.warn(f"duolm.kernels: duolm's CPU kernels did not build ({type(e).__name__}: "
-                      f"{str(e).strip().splitlines()[-1] if str(e).strip() else e}); torch's kernels run instead",
-                      RuntimeWarning, stacklevel=3)
+        torch.ops.load_library(build(cache))
+    except (RuntimeError, OSError) as e:
+        warnings.warn(f"duolm.kernels: duolm's CPU kernels did not build ({type(e).__name__}: {e}); torch's kernels "
+                      "run instead", RuntimeWarning, stacklevel=3)
         return False
-    finally:
-        os.environ["PATH"] = path
     torch.library.register_fake("duolm_cpu::fp32_linear")(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
     torch.library.register_fake("duolm_cpu::int8_linear")(
         lambda x, packed, scale, row_sums, bias, n: x.new_empty(x.shape[0], n))
