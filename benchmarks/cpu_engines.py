@@ -60,7 +60,8 @@ from duolm.generation import generate
 from duolm.generation.static import decoder_of
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
-from duolm.precision import SWAPPED, _onednn, _pack, fp32_engine, machine, quantize
+from duolm.engines import onednn_linear, pack_onednn
+from duolm.precision import SWAPPED, fp32_engine, machine, quantize
 
 PROMPT = 32
 PRODUCTS = "duolm fp32, products alone"       # the matrix products of decoding without the rest
@@ -268,10 +269,10 @@ def layout_rows(rounds, rows=(1, 8, 128), copies=12):
     out = {}
     for n, k in ((2304, 768), (768, 768), (3072, 768), (768, 3072), (50304, 768)):
         ws = [torch.randn(n, k) * 0.02 for _ in range(1 if n > 10000 else copies)]
-        forms = {"plain": [_pack(w, 1) for w in ws], "blocked": [_pack(w, 64) for w in ws]}
+        forms = {"plain": [pack_onednn(w, 1) for w in ws], "blocked": [pack_onednn(w, 64) for w in ws]}
         for m in rows:
             x = torch.randn(m, k)
-            runs = {name: (lambda f=f: [_onednn(x, w, None) for w in f]) for name, f in forms.items()}
+            runs = {name: (lambda f=f: [onednn_linear(x, w, None) for w in f]) for name, f in forms.items()}
             for f in runs.values():
                 f()
             out[n, k, m] = {name: t / len(ws) for name, t in _rounds(runs, rounds).items()}

@@ -378,8 +378,10 @@ def test_one_query_attention_reads_only_the_columns_shown(monkeypatch):
 @attention
 @pytest.mark.parametrize("precision_", ["fp32", "int8"])
 def test_decoding_with_the_attention_kernel_is_decoding_with_sdpa(monkeypatch, precision_):
-    """generate(), left-padded prompts of different lengths, greedy: the same ids with the kernel as with PyTorch's
-    SDPA (the compiled step, which runs the kernel too, gives eager's ids: tests/test_static.py)."""
+    """generate(), left-padded prompts of different lengths, greedy: the same ids with the kernel quantize swaps in
+    (KernelAttention) as with PyTorch's SDPA (the model's own OneQueryAttention put back; the compiled step, which
+    runs the kernel too, gives eager's ids: tests/test_static.py)."""
+    from duolm.models.gpt2 import OneQueryAttention
     from duolm.generation import generate
     from duolm.models import GPT2, GPT2Config
 
@@ -396,5 +398,8 @@ def test_decoding_with_the_attention_kernel_is_decoding_with_sdpa(monkeypatch, p
     monkeypatch.setattr(kernels, "one_query_attention", lambda *a: calls.append(1) or kernel(*a))
     with_kernel = ids()
     assert len(calls) == 2 * 11                                 # every layer of the 11 steps after the prefill
-    monkeypatch.setattr(kernels, "ready", lambda: False)
+    swapped = [b.attn for b in model.h]
+    assert all(type(a.one_query) is precision.KernelAttention for a in swapped)
+    for a in swapped:
+        a.one_query = OneQueryAttention()
     assert ids() == with_kernel and len(calls) == 22
