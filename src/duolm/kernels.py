@@ -38,6 +38,7 @@ import os
 import platform
 import secrets
 import shutil
+import signal
 import subprocess
 import time
 import warnings
@@ -115,11 +116,17 @@ def build(cache: Path = CACHE, timeout: float = TIMEOUT) -> Path:
 
 
 def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    """cmd's run, bounded: a RuntimeError with the compiler's first error line where it fails or runs over."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise RuntimeError(f"{cmd[0]} ran over {timeout:g} s") from None
+    """cmd's run, bounded: a RuntimeError with the compiler's first error line where it fails or runs over (then
+    the compiler and the programs it started, cc1plus and the assembler, are killed as one process group)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace",
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"{cmd[0]} ran over {timeout:g} s") from None
+    done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if done.returncode != 0:
         lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
         raise RuntimeError(f"{cmd[0]} failed: {next((line for line in lines if 'error' in line), lines[-1])}")
