@@ -84,11 +84,18 @@ def onednn_runs() -> bool:
     """Whether torch's oneDNN matmul runs here (x86, oneDNN built in, the private op present); warns once if not."""
     if platform.machine().lower() not in ("x86_64", "amd64") or not torch.backends.mkldnn.is_available():
         return False
+    return works("oneDNN matmul", lambda: onednn_linear(torch.randn(2, 8), pack_onednn(torch.randn(4, 8)), None),
+                 "F.linear runs instead")
+
+
+def works(name: str, call, instead: str) -> bool:
+    """Whether `call()`, a private torch op on a tiny input, runs here; where it does not, one warning says so and
+    what runs `instead`."""
     try:
-        onednn_linear(torch.randn(2, 8), pack_onednn(torch.randn(4, 8)), None)
+        call()
     except (AttributeError, RuntimeError, NotImplementedError) as e:
-        warnings.warn(f"duolm.engines: torch's oneDNN matmul is unavailable here ({type(e).__name__}: {e}); "
-                      f"F.linear runs instead", RuntimeWarning, stacklevel=2)
+        warnings.warn(f"duolm: torch's {name} is unavailable here ({type(e).__name__}: {e}); {instead}",
+                      RuntimeWarning, stacklevel=3)
         return False
     return True
 

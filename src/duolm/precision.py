@@ -44,7 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
-from duolm.engines import FEW_ROWS, fp32_choice, on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn
+from duolm.engines import (FEW_ROWS, fp32_choice, on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn,
+                           works)
 from duolm.kernels import cpuinfo as _cpuinfo
 from duolm.models.gpt2 import OneQueryAttention, TiedLinear
 
@@ -102,13 +103,8 @@ def autocast(precision: str, device):
 @functools.cache
 def _works(kernel: str) -> bool:
     """Whether a private torch kernel ("int8": the quantized engine) exists here and runs; warns once where not."""
-    try:
-        _int8_linear(torch.randn(2, 8), _int8_pack(*int8_rows(torch.randn(4, 8))), False)
-    except (AttributeError, RuntimeError, NotImplementedError) as e:
-        warnings.warn(f"duolm.precision: torch's {kernel} kernel is unavailable here ({type(e).__name__}: {e}); "
-                      f"running the same arithmetic in public torch ops", RuntimeWarning, stacklevel=3)
-        return False
-    return True
+    return works(f"{kernel} kernel", lambda: _int8_linear(torch.randn(2, 8), _int8_pack(*int8_rows(torch.randn(4, 8))),
+                                                          False), "running the same arithmetic in public torch ops")
 
 
 def fp32_engine() -> str:
