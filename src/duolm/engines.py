@@ -13,8 +13,8 @@ an evaluation and a server compute the same numbers bit for bit). The candidates
 that, as when decoding a real model, every product streams its weight from memory. An engine wins by more than 3% or
 the earlier one in the order above stays (a tie is noise). The choice is kept under the key of what decides it (the
 CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a file that is missing,
-unreadable or for another key is measured again (~2 s) and rewritten, with one line on stderr. duolm.precision's
-quantize() asks for it, the visible moment; `duolm env` prints it.
+unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one line on stderr.
+duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it.
 """
 from __future__ import annotations
 
