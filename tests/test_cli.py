@@ -64,3 +64,21 @@ def test_wordpiece_trains_on_a_lone_combining_mark(tmp_path, capsys):
     main(["tokenizer", "train", "--kind", "wordpiece", "--vocab-size", "80", str(path), "-o", str(tmp_path / "tok")])
     tok = load_tokenizer(tmp_path / "tok")
     assert "\u103a" not in "".join(tok.vocab) and tok.tokenize("burma \u103a") == tok.tokenize("burma")
+
+
+def test_env_prints_the_engines_this_machine_chose(monkeypatch, capsys):
+    """`duolm env --json`: the machine, the fp32 engines as duolm.engines chose them (here a given choice, so no
+    timing runs) with their timings, int8's and attention's engines; without --json the same in lines."""
+    import json
+
+    from duolm import precision
+
+    chosen = {"few": "onednn", "wide": "mkl", "times": {"mkl": {"1": 0.002, "8": 0.004, "512": 0.3}}, "key": "k1"}
+    monkeypatch.setattr(precision, "fp32_choice", lambda: chosen)
+    main(["env", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert got["fp32"] == chosen and got["machine"] == precision.machine()
+    assert got["int8"] and got["attention"]
+    main(["env"])
+    out = capsys.readouterr().out
+    assert "fp32: onednn up to 32 rows, mkl above" in out and "1 rows 2.00 ms, 8 rows 4.00 ms, 512 rows 300.00 ms" in out
