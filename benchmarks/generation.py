@@ -3,9 +3,9 @@
 Same weights on both sides (copied with duolm.convert.hf), a 32-token prompt, 128 new tokens, greedy,
 batch 1 and batch 8, torch.set_num_threads(2). Rows, each in its precision:
   duolm plain fp32        generate() on the model as it is: PyTorch's F.linear (MKL)
-  duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on up to 32 rows
-                          on Intel's CPUs with AVX-512, oneDNN on packed weights on other x86 CPUs (fp32_engine,
-                          fp32_rows) (`duolm generate`'s CPU default); the same ids
+  duolm quantize(fp32)    on duolm.precision.quantize(model, "fp32"): the fp32 engines timed on this machine
+                          (duolm.engines: duolm.kernels' fp32 kernel, oneDNN or F.linear; `duolm env` prints them)
+                          (`duolm generate`'s CPU default); the same ids
   duolm quantize(fp32) compiled, duolm quantize(int8) compiled
                           the same models through generate(compile=True): duolm.generation.static's step, compiled
                           in the warm-up (the seconds printed)

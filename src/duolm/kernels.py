@@ -1,11 +1,11 @@
 """duolm's CPU kernels for decoding, kernels.cpp: products of the few rows decoding multiplies (a token of each
 sequence), each weight packed once so that one pass over it serves every row, its next lines prefetched, and one
 query's attention over a KV cache. Where the CPU has AVX-512 (available(); ready() on this CPU) duolm.precision's
-KernelLinear and Int8Linear run the products, GPT-2's decoding step the attention (duolm.models.gpt2.kernel_attends).
+KernelLinear and Int8Linear run the products, its KernelAttention GPT-2's decoding attention (swapped in by quantize).
 Each is an operator (duolm_cpu::...) with a shape function, which compiled graphs call as it is.
 
 The build: the first process that needs the kernels on a machine compiles kernels.cpp into a shared library with one
-run of the C++ compiler (~20 s; a line on stderr says what was built, where and in how long), into a cache folder
+run of the C++ compiler (~15 s; a line on stderr says what was built, where and in how long), into a cache folder
 (~/.cache/duolm/kernels unless told), under a name that hashes what the library depends on: the source, torch's
 version, the compiler's flags and its `--version`; a changed one builds anew, every later process loads the file
 silently. There is no lock, so a killed build (SIGKILL, the OOM killer) can leave nobody waiting on it: each build
