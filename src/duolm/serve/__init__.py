@@ -58,8 +58,8 @@ class ServeConfig:
                 "compile_s). Default: on with --device cuda (several times faster there), off on the CPU (faster "
                 "after about a minute of compilation for GPT-2 124M: docs/benchmarks.md)"})
     precision: str = field(default="auto", metadata={
-        "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the CPU's fastest kernels (oneDNN on "
-                "x86; on Intel's for 4-32 rows); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
+        "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the engines timed fastest on this CPU "
+                "(`duolm env`); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
                 "choices": ("auto", "fp32", "bf16", "int8")})
     batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
 
