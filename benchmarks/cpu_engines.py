@@ -1,7 +1,7 @@
 """duolm vs CTranslate2 vs transformers on one CPU, the same random weights (saved once by transformers).
 
   * GPT-2 124M greedy decoding: a 32-token prompt, 128 new tokens (no early end), batch 1 and 8, in fp32
-    (duolm: duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on few rows where fp32_engine() is
+    (duolm: duolm.precision.quantize(model, "fp32"): duolm.kernels' fp32 kernel on few rows where fp32_choice() says
     "duolm", oneDNN on packed weights where it is "onednn";
     CTranslate2 compute_type float32;
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
@@ -61,7 +61,7 @@ from duolm.generation.static import decoder_of
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
 from duolm.engines import onednn_linear, pack_onednn
-from duolm.precision import SWAPPED, fp32_engine, machine, quantize
+from duolm.precision import SWAPPED, fp32_choice, machine, quantize
 
 PROMPT = 32
 PRODUCTS = "duolm fp32, products alone"       # the matrix products of decoding without the rest
@@ -302,7 +302,7 @@ def main():
     huge = not args.default_malloc and huge_pages()
     torch.set_num_threads(args.threads)
     m = machine()
-    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32: {fp32_engine()}; "
+    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32: {fp32_choice()['few']} (few rows), {fp32_choice()['wide']} (more); "
           f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept, huge pages (duolm.malloc): "
           f"{kept}, {huge}")
     out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "huge_pages": huge, "decode": {},

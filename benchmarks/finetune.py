@@ -356,8 +356,8 @@ def fp32_model(model):
 
 
 def fp32_predict(model, tok, inputs):
-    """What `duolm predict` runs on CPU: the model swapped by quantize(model, "fp32") (oneDNN where fp32_engine()
-    picks it)."""
+    """What `duolm predict` runs on CPU: the model swapped by quantize(model, "fp32") (the fp32 engines duolm.engines
+    timed on this machine)."""
     return predict(fp32_model(model), tok, inputs, batch_size=32)
 
 

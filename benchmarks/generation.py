@@ -48,7 +48,7 @@ from duolm.convert.hf import gpt2_config_to_hf, gpt2_to_hf
 from duolm.generation import generate
 from duolm.generation.static import decoder_of
 from duolm.models import GPT2, GPT2Config
-from duolm.precision import BF16Linear, fp32_engine, machine, quantize
+from duolm.precision import BF16Linear, fp32_choice, machine, quantize
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 WIDTH = {"fp32": 4, "bf16": 2, "int8": 1}           # bytes per matrix weight
@@ -140,7 +140,7 @@ def main():
     prompts8 = torch.randint(0, cfg.vocab_size, (8, P), generator=g).tolist()
     m = machine()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
-          f"{m['native_bf16']}, {m['threads']} threads; fp32 {fp32_engine()}; "
+          f"{m['native_bf16']}, {m['threads']} threads; fp32 {fp32_choice()['few']} (few rows), {fp32_choice()['wide']} (more); "
           f"load average at start "
           f"{os.getloadavg()[0]:.2f}\nGPT-2 124M random weights ({ours.num_params():,} params), prompt {P} tokens, "
           f"{N} new, greedy, median of {args.rounds} rounds", flush=True)

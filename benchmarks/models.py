@@ -16,7 +16,7 @@ Sides, by --precision (each row names its precision):
   fp32  training: duolm fp32 (what `duolm pretrain` / `finetune` run: the models' CPU dropout, duolm.models.dropout),
         transformers fp32.
         inference: duolm on the model swapped by duolm.precision.quantize(model, "fp32") (oneDNN on packed weights
-        where fp32_engine() picks it, the path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear,
+        where duolm.engines timed it the faster, the path of `duolm predict` / `generate` / `serve`), duolm plain (F.linear,
         MKL), transformers fp32.
   bf16  training: duolm under bf16 autocast vs transformers under the same torch.autocast("cpu", dtype=bfloat16),
         and vs transformers fp32.
@@ -66,7 +66,7 @@ from duolm.convert import hf as conv
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import MLM_NSP, mlm_nsp_loss
-from duolm.precision import fp32_engine, machine, quantize
+from duolm.precision import fp32_choice, machine, quantize
 
 try:
     import transformers
@@ -92,7 +92,7 @@ def sides(precision: str, train: bool, ours, theirs, model=None) -> dict:
                 "transformers fp32": theirs(plain)}
     fast = quantize(copy.deepcopy(model), precision)
     if precision == "fp32":
-        return {f"duolm quantize(fp32) [{fp32_engine()}]": ours(fast, plain), "duolm plain fp32 [mkl]": ours(model, plain),
+        return {f"duolm quantize(fp32) [{fp32_choice()['wide']}]": ours(fast, plain), "duolm plain fp32 [mkl]": ours(model, plain),
                 "transformers fp32": theirs(plain)}
     return {"duolm quantize(bf16)": ours(fast, plain), "duolm plain under bf16 autocast": ours(model, autocast),
             "transformers bf16 autocast": theirs(autocast), "transformers fp32": theirs(plain)}
@@ -332,7 +332,7 @@ def main():
     torch.set_num_threads(args.threads)
     m = machine()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}; CPU {m['cpu']}, native bf16 "
-          f"{m['native_bf16']}, {m['threads']} threads; fp32 engine {fp32_engine()}; precision {args.precision}; "
+          f"{m['native_bf16']}, {m['threads']} threads; fp32 engine {fp32_choice()['wide']} (wide products); precision {args.precision}; "
           f"freed memory kept, huge pages (duolm.malloc) {kept}, {huge}; load average at start "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     p, r = args.precision, args.rounds

@@ -42,9 +42,9 @@ def _bert():
 
 @pytest.fixture
 def onednn(monkeypatch):
-    """fp32_engine() answering "onednn" for every product on any x86 CPU (not duolm.kernels' fp32 kernel): the exact
+    """fp32_choice() answering "onednn" for every product on any x86 CPU (not duolm.kernels' fp32 kernel): the exact
     packed path is tested on Intel's too, on every row count."""
-    monkeypatch.setattr(precision_module, "fp32_engine", lambda: "onednn")
+    monkeypatch.setattr(precision_module, "fp32_choice", lambda: {"few": "onednn", "wide": "onednn"})
 
 
 @pytest.fixture
@@ -268,7 +268,7 @@ def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers
     with torch.no_grad():
         want = _swapped(model, precision)(idx) if kernel == "int8" else model(idx)
     precision_module._works.cache_clear()
-    monkeypatch.undo()                                 # fp32_engine() as it is, now seeing no kernel
+    monkeypatch.undo()                                 # fp32_choice() as it is, now seeing no kernel
     if kernel == "onednn":
         monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
         monkeypatch.setattr(engines, "CACHE", tmp_path / "engines.json")          # timed anew, every engine equal

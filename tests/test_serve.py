@@ -1353,7 +1353,7 @@ def test_text_stream_is_the_reference_for_stop_strings():
 
 def test_precision_is_the_served_models_swap(gpt2):
     """--precision resolves once and swaps the served model's linears (duolm.precision.quantize): the served prompt
-    log-probabilities under fp32 equal the library's on the same swap (oneDNN where fp32_engine() picks it) and are
+    log-probabilities under fp32 equal the library's on the same swap (the engines fp32_choice() timed) and are
     within rounding of plain F.linear; "auto" serves exactly as fp32; int8 moves them measurably, and still gives a
     full answer."""
     import copy

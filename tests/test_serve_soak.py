@@ -6,7 +6,7 @@ while a left request still holds its place. Only 200 / 400 / 408 / 413 / 429 com
 /health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up and its open
 file descriptors are back to their count then, and every complete answer equals the same request sent alone.
 The same for BERT's routes (embeddings, a fine-tuned head), on each fp32 engine this CPU runs (duolm.precision's
-fp32_engine() forced in the server's process): oneDNN builds a kernel for every shape it meets, and the memory stays
+fp32_choice() forced in the server's process): oneDNN builds a kernel for every shape it meets, and the memory stays
 bounded only by the `duolm` command's cap on the kernels it keeps (duolm.malloc.onednn_caches)."""
 import pytest
 

@@ -187,13 +187,13 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch)
 
 @pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: KernelLinear's kernel does not run here")
 def test_ahead_of_time_steps_serve_ranges_of_batches(monkeypatch):
-    """AOTInductor's steps of KernelLinear's model (fp32_engine() forced to "duolm"): batch 1 a package of its own;
+    """AOTInductor's steps of KernelLinear's model (fp32_choice() forced to "duolm"): batch 1 a package of its own;
     batch 3 one whose batch is dynamic up to KERNEL_ROWS (KernelLinear runs F.linear above it: export bounds the
     range), which batch 5 reuses (its runner too); a model of the same structure loads the packages, compiling nothing;
     the eager ids at each batch and cache length."""
     from duolm.precision import KERNEL_ROWS
 
-    monkeypatch.setattr(precision, "fp32_engine", lambda: "duolm")
+    monkeypatch.setattr(precision, "fp32_choice", lambda: {"few": "duolm", "wide": "mkl"})
     torch.manual_seed(0)
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=128))), "fp32")
     before = built()
@@ -239,7 +239,7 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     """A model swapped by quantize(model, "fp32") where oneDNN runs it (PackedLinear: every product on x86 CPUs other
     than Intel's): torch.export cannot trace the packed weight, so the step is torch.compile's, which traces F.linear
     (inductor cannot lower a weight packed outside it), and gives the eager ids."""
-    monkeypatch.setattr(precision, "fp32_engine", lambda: "onednn")
+    monkeypatch.setattr(precision, "fp32_choice", lambda: {"few": "onednn", "wide": "onednn"})
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "fp32")
     assert any(isinstance(m, precision.PackedLinear) for m in model.modules())
     prompts = prompts_of(2, seed=3, vocab=512)

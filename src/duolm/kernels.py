@@ -59,7 +59,7 @@ _log = logging.getLogger("duolm.kernels")
 
 @functools.cache
 def cpuinfo(field: str) -> str | None:
-    """The first value of `field` in /proc/cpuinfo ("model name", "vendor_id", "flags"), None where there is none."""
+    """The first value of `field` in /proc/cpuinfo ("model name", "flags"), None where there is none."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             return next((line.split(":", 1)[1].strip() for line in f if line.split(":", 1)[0].strip() == field), None)

@@ -9,11 +9,11 @@
 
 Training changes nothing in the model: bf16 is torch.autocast (fp32 weights, optimizer state and losses). Inference
 swaps the linears, in place, for modules that say what they run:
-  * "fp32": exact, on the engines timed on this machine (duolm.engines.fp32_choice(): one for products of up to
-    KERNEL_ROWS rows, fp32_engine(), one for longer ones). "duolm": KernelLinear, duolm.kernels' fp32 kernel (the
-    same dot products in another order, within ~1e-6); "onednn": PackedLinear, oneDNN on the weight packed once into
-    its blocked layout; "mkl": F.linear as it is (or PackedLinear(rows=wide_rows) where oneDNN wins the longer
-    products). benchmarks/cpu_engines.py times decoding on each.
+  * "fp32": exact, on the engines timed on this machine (duolm.engines.fp32_choice(): "few" for products of up to
+    KERNEL_ROWS rows, "wide" for longer ones; the one switch, through which tests force each engine). "duolm":
+    KernelLinear, duolm.kernels' fp32 kernel (the same dot products in another order, within ~1e-6); "onednn":
+    PackedLinear, oneDNN on the weight packed once into its blocked layout; "mkl": F.linear as it is (or
+    PackedLinear(rows=wide_rows) where oneDNN wins the longer products). benchmarks/cpu_engines.py times decoding.
   * "bf16": BF16Linear, a bf16 copy of the weight (packed for oneDNN where the CPU computes bf16 natively); the
     input cast to bf16, the output back to fp32.
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
@@ -105,13 +105,6 @@ def _works(kernel: str) -> bool:
     """Whether a private torch kernel ("int8": the quantized engine) exists here and runs; warns once where not."""
     return works(f"{kernel} kernel", lambda: _int8_linear(torch.randn(2, 8), _int8_pack(*int8_rows(torch.randn(4, 8))),
                                                           False), "running the same arithmetic in public torch ops")
-
-
-def fp32_engine() -> str:
-    """The engine quantize(model, "fp32") runs products of up to KERNEL_ROWS rows on here, as timed on this machine
-    (duolm.engines.fp32_choice()["few"]): "duolm" (KernelLinear), "onednn" (PackedLinear) or "mkl" (F.linear). The one
-    switch, through which tests force each engine the machine can run."""
-    return fp32_choice()["few"]
 
 
 def wide_rows(m: int) -> int | None:
@@ -233,8 +226,8 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_ra
 # the inference linears
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (fp32_engine() == "onednn"),
-    a product of m rows run at rows(m) rows (onednn_rows, or wide_rows); where rows(m) is None through F.linear on W,
+    """y = x W^T + b in exact fp32 through oneDNN, W packed once into its blocked layout (few rows' engine "onednn"), a
+    product of m rows run at rows(m) rows (onednn_rows, or wide_rows); where rows(m) is None through F.linear on W,
     as are training forwards (autograd on) and forwards under torch.compile (inductor lowers only weights it
     packed)."""
 
@@ -259,7 +252,7 @@ class PackedLinear(nn.Module):
 
 
 class KernelLinear(nn.Module):
-    """y = x W^T + b in exact fp32 (within ~1e-6), fp32_engine() "duolm": up to KERNEL_ROWS rows (decoding, short
+    """y = x W^T + b in exact fp32 (within ~1e-6), fp32_choice()["few"] "duolm": up to KERNEL_ROWS rows (decoding, short
     prompts) on duolm.kernels' fp32 kernel (an operator, in compiled graphs too), W packed once; longer inputs on
     oneDNN on the plain W where it is the faster here (wide_onednn: duolm.engines' "wide"; no second copy of W), else
     on F.linear, as are training forwards and forwards under torch.compile."""
@@ -434,10 +427,11 @@ def _swap(precision: str, device: torch.device):
     if precision == "fp32":
         if device.type != "cpu":
             return None
-        engine, wide = fp32_engine(), fp32_choice()["wide"] == "onednn"
-        if engine == "duolm":
-            return functools.partial(KernelLinear, wide_onednn=wide)
-        return PackedLinear if engine == "onednn" else functools.partial(PackedLinear, rows=wide_rows) if wide else None
+        choice = fp32_choice()
+        wide = choice["wide"] == "onednn"
+        few = {"duolm": functools.partial(KernelLinear, wide_onednn=wide), "onednn": PackedLinear,
+               "mkl": functools.partial(PackedLinear, rows=wide_rows) if wide else None}
+        return few[choice["few"]]
     raise ValueError(f"inference precision {precision!r} is not one of {PRECISIONS[1:]} (resolve it first)")
 
 
