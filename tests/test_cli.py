@@ -67,18 +67,21 @@ def test_wordpiece_trains_on_a_lone_combining_mark(tmp_path, capsys):
 
 
 def test_env_prints_the_engines_this_machine_chose(monkeypatch, capsys):
-    """`duolm env --json`: the machine, the fp32 engines as duolm.engines chose them (here a given choice, so no
-    timing runs) with their timings, int8's and attention's engines; without --json the same in lines."""
+    """`duolm env --json`: the machine, the fp32 and int8 engines as duolm.engines chose them (here given choices, so
+    no timing runs) with their timings, and attention's engine; without --json the same in lines."""
     import json
 
     from duolm import precision
 
     chosen = {"few": "onednn", "wide": "mkl", "times": {"mkl": {"1": 0.002, "8": 0.004, "512": 0.3}}, "key": "k1"}
+    int8 = {"few": "duolm", "wide": "torch", "times": {"torch": {"1": 0.001, "8": 0.002, "512": 0.1}}, "key": "k1"}
     monkeypatch.setattr(precision, "fp32_choice", lambda: chosen)
+    monkeypatch.setattr(precision, "int8_choice", lambda: int8)
     main(["env", "--json"])
     got = json.loads(capsys.readouterr().out)
-    assert got["fp32"] == chosen and got["machine"] == precision.machine()
-    assert got["int8"] and got["attention"]
+    assert got["fp32"] == chosen and got["int8"] == int8 and got["machine"] == precision.machine()
+    assert got["attention"]
     main(["env"])
     out = capsys.readouterr().out
     assert "fp32: onednn up to 32 rows, mkl above" in out and "1 rows 2.00 ms, 8 rows 4.00 ms, 512 rows 300.00 ms" in out
+    assert "int8: duolm up to 32 rows, torch above" in out and "1 rows 1.00 ms, 8 rows 2.00 ms" in out

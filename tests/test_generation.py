@@ -478,7 +478,8 @@ def test_decoding_a_model_never_quantized_builds_and_probes_nothing(monkeypatch)
 
     def refuse(*args, **kwargs):
         raise AssertionError("a kernel or engine probed while decoding a plain model")
-    for module, name in ((kernels, "available"), (kernels, "ready"), (kernels, "cpuinfo"), (engines, "fp32_choice")):
+    for module, name in ((kernels, "available"), (kernels, "ready"), (kernels, "cpuinfo"), (engines, "fp32_choice"),
+                         (engines, "int8_choice")):
         monkeypatch.setattr(module, name, refuse)
     torch.manual_seed(0)
     model = GPT2(GPT2Config(vocab_size=97, block_size=48, n_layer=2, n_head=2, n_embd=32)).eval()

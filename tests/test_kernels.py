@@ -22,12 +22,12 @@ import torch
 
 import torch.nn.functional as F
 
-from duolm import kernels
+from duolm import engines, kernels
 from duolm import precision
-from duolm.precision import KERNEL_ROWS, WIDE_ROWS, Int8Linear, KernelLinear, int8_rows
+from duolm.precision import KERNEL_ROWS, Int8Linear, KernelLinear, int8_rows
 
-vnni = pytest.mark.skipif(not precision.vnni_rows(), reason="this CPU lacks AVX512-VNNI: duolm.kernels' int8 kernel "
-                          "does not run here (Int8Linear runs torch's x86 int8 kernels, tests/test_precision.py)")
+vnni = pytest.mark.skipif("duolm" not in engines.candidates("int8"), reason="this CPU lacks AVX512-VNNI: duolm.kernels'"
+                          " int8 kernel does not run here (Int8Linear runs torch._int_mm, tests/test_precision.py)")
 fp32 = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: duolm.kernels' fp32 kernel does not "
                           "run here (PackedLinear or F.linear, tests/test_precision.py)")
 
@@ -77,45 +77,20 @@ def test_int8_constant_rows_and_shapes():
         kernels.int8_linear(torch.randn(2, 44), packed, scale, row_sums, b)
 
 
-@vnni
-def test_a_row_gets_the_same_numbers_in_any_batch():
-    """Each row is quantized on its own and summed in exact integers: a row alone, beside a row of 100x larger values
-    (another request, a padding position) and in a batch of 13 gives the same bits."""
+@pytest.mark.parametrize("engine", list(engines.candidates("int8")))
+def test_a_row_gets_the_same_numbers_in_any_batch(engine):
+    """Each row is quantized on its own and summed in exact integers, by either int8 engine (duolm's kernel, torch's
+    _int_mm): a row alone, beside a row of 100x larger values (another request, a padding position) and in a batch of
+    13 gives the same bits."""
     torch.manual_seed(1)
-    q, scale, row_sums, b = _weights(3072, 768)
-    packed = kernels.pack_int8(q)
+    prepare, run = engines.candidates("int8")[engine]
+    form = prepare(torch.randn(3072, 768) * 0.02)
     x = torch.randn(13, 768)
     x[5] *= 100
-    batch = kernels.int8_linear(x, packed, scale, row_sums, b)
+    batch = run(x, form)
     for i in (0, 4, 12):
-        assert torch.equal(kernels.int8_linear(x[i:i + 1], packed, scale, row_sums, b)[0], batch[i])
-        assert torch.equal(kernels.int8_linear(x[[i, 5]], packed, scale, row_sums, b)[0], batch[i])
-
-
-@vnni
-@pytest.mark.parametrize("amx", [True, False])
-def test_int8_linear_runs_the_kernel_below_wide_rows(amx, monkeypatch):
-    """Int8Linear holds the packed weight and runs the kernel on fewer than WIDE_ROWS rows; WIDE_ROWS rows and more go
-    to torch's kernels, oneDNN's where the CPU has AMX (then no fbgemm weight is kept), fbgemm's where it has not.
-    Close to the exact product either way."""
-    monkeypatch.setattr(precision, "amx_int8", lambda: amx)
-    torch.manual_seed(2)
-    lin = torch.nn.Linear(768, 2304)
-    q = Int8Linear(lin.weight, lin.bias)
-    assert q.packed_rows is not None and "AVX512-VNNI rows" in repr(q)
-    assert (q.packed is None) == amx and (q.packed_wide is not None) == amx
-    calls = []
-    kernel = kernels.int8_linear
-    monkeypatch.setattr(kernels, "int8_linear", lambda x, *a: calls.append(len(x)) or kernel(x, *a))
-    for rows in (1, 8, WIDE_ROWS - 1, WIDE_ROWS, 100):
-        x = torch.randn(rows, 768)
-        with torch.no_grad():
-            got, exact = q(x), lin(x)
-        assert ((exact - got).norm() / exact.norm()).item() < 0.01
-        assert (calls[-1:] == [rows]) == (rows < WIDE_ROWS)
-        if rows < WIDE_ROWS:
-            torch.testing.assert_close(got, kernels.int8_reference(x, q.qweight, q.scale, q.row_sums, q.bias),
-                                       atol=1e-5, rtol=0)
+        assert torch.equal(run(x[i:i + 1], form)[0], batch[i])
+        assert torch.equal(run(x[[i, 5]], form)[0], batch[i])
 
 
 @vnni
@@ -135,7 +110,8 @@ def test_compile_calls_the_kernel_as_an_operator():
 
 def test_without_avx512_or_without_a_compiler_torchs_kernels_run(monkeypatch):
     """A CPU without AVX-512 never builds the kernels (one without VNNI runs no int8 kernel); where there is no
-    compiler a warning says so once and Int8Linear holds torch's packed weight."""
+    compiler a warning says so once, and an Int8Linear for which duolm's kernel was chosen (a choice kept on disk
+    before the compiler went) runs torch's engine."""
     assert not kernels.available("avx2 fma") and not kernels.int8_supported("avx512f avx512bw")
     monkeypatch.setattr(kernels, "COMPILERS", ("duolm-no-such-compiler",))
     _avx512(monkeypatch)
@@ -144,9 +120,10 @@ def test_without_avx512_or_without_a_compiler_torchs_kernels_run(monkeypatch):
         assert not kernels.available(flags)
     assert len(warned) == 1
     assert not kernels.available(flags)                              # once: the answer is kept
-    monkeypatch.setattr(precision, "_cpuinfo", lambda field: flags if field == "flags" else None)
+    monkeypatch.setattr(kernels, "cpuinfo", lambda field: flags if field == "flags" else None)
+    monkeypatch.setattr(precision, "int8_choice", lambda: {"few": "duolm", "wide": "duolm"})
     q = Int8Linear(torch.randn(32, 16), None)
-    assert q.packed_rows is None and (q.packed is not None) == precision._works("int8")
+    assert q.engines == ("torch", "torch") and q.packed is None
 
 
 def _avx512(monkeypatch):

@@ -21,8 +21,9 @@ from duolm.generation import generate
 from duolm.models import GPT2, Bert, BertConfig, BertForPreTraining, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm import precision as precision_module
-from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_matmul, int8_rows,
-                             native_bf16, onednn_rows, quantize, resolve)
+from duolm import engines, kernels
+from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_rows, native_bf16, onednn_rows,
+                             quantize, resolve)
 from test_generation import _collect
 
 
@@ -47,11 +48,8 @@ def onednn(monkeypatch):
     monkeypatch.setattr(precision_module, "fp32_choice", lambda: {"few": "onednn", "wide": "onednn"})
 
 
-@pytest.fixture
-def torch_int8(monkeypatch):
-    """Int8Linear on torch's x86 int8 kernels (fbgemm's, oneDNN's), as where the CPU lacks AVX512-VNNI, so that they
-    are tested on every CPU (duolm.kernels's own kernel: tests/test_kernels.py)."""
-    monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
+# the int8 engines that run here: torch._int_mm everywhere, duolm.kernels' kernel where the CPU has AVX512-VNNI
+INT8_ENGINES = list(engines.candidates("int8"))
 
 
 def _swapped(model, precision):
@@ -91,7 +89,7 @@ def test_int8_rows_worked_example():
     q, s = int8_rows(torch.tensor([[0.5, -1.27], [0.0, 0.0]]))
     assert q.tolist() == [[50, -127], [0, 0]] and q.dtype == torch.int8
     torch.testing.assert_close(s, torch.tensor([0.01, 0.0]))
-    assert doctest.testmod(precision_module).failed == 0          # int8_rows' and row_affine's worked examples
+    assert doctest.testmod(engines).failed == 0                   # int8_rows', int8_mm's, choose's worked examples
 
 
 def test_int8_row_keeps_its_steps_beside_a_row_of_large_values():
@@ -123,62 +121,49 @@ def test_quantize_swaps_every_linear_and_shows_it():
             assert torch.nn.Linear not in kinds and cls in kinds
             assert isinstance(q.get_submodule(tied), cls) and f"{cls.__name__}(in_features=32" in repr(q)
             assert type(q.get_submodule(wte)) is torch.nn.Embedding and not q.training
-    kernel = "AVX512-VNNI rows" if precision_module.vnni_rows() else "x86 dynamic int8"
-    assert f"kernel={kernel}" in repr(_swapped(gpt, "int8"))
+    few, wide = precision_module.int8_choice()["few"], precision_module.int8_choice()["wide"]
+    assert f"kernel={few} int8 up to 32 rows, {wide} above" in repr(_swapped(gpt, "int8"))
 
 
-def test_int8_kernel_is_the_int8_formula(torch_int8):
-    """Int8Linear on torch's x86 kernel computes what int8_matmul writes out in public ops (row-mapped inputs, one scale,
-    uint8 steps rounded to even, int32 sums), to float rounding: at GPT-2 124M's shapes and on a whole model."""
+@pytest.mark.parametrize("engine", INT8_ENGINES)
+def test_int8_engines_compute_the_int8_formula(engine, monkeypatch):
+    """Int8Linear on each int8 engine that runs here (forced for few rows and wide products) computes
+    kernels.int8_reference's formula (the same uint8 steps of each row, exact int32 sums, float64 there), to float
+    rounding: at GPT-2 124M's shapes, on 1 and 8 rows (few) and 74 (wide)."""
+    monkeypatch.setattr(precision_module, "int8_choice", lambda: {"few": engine, "wide": engine})
     torch.manual_seed(0)
     for n, k in ((2304, 768), (768, 3072)):
         w, b = torch.randn(n, k) * 0.02, torch.randn(n)
         q = Int8Linear(w, b)
+        assert q.engines == (engine, engine) and (q.packed is not None) == (engine == "duolm")
         for shape in ((1, k), (8, k), (2, 37, k)):
             x = torch.randn(shape)
             with torch.no_grad():
                 got = q(x)
-                want = precision_module.row_affine(lambda v: int8_matmul(v, q.qweight, q.scale,
-                                                                         precision_module._REDUCE_RANGE), q.row_sums, x)
-            torch.testing.assert_close(got, want + b, atol=1e-5, rtol=1e-5)
-    assert doctest.testmod(precision_module).failed == 0          # int8_rows', row_affine's, int8_matmul's examples
+            want = kernels.int8_reference(x.view(-1, k), q.qweight, q.scale, q.row_sums, b).view(*shape[:-1], n)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif("onednn" not in torch.backends.quantized.supported_engines, reason="torch without oneDNN's "
-                    "quantized engine (every x86 build has it)")
-@pytest.mark.parametrize("amx", [True, False])
-def test_int8_multiplies_wide_inputs_on_onednn_where_amx_int8(amx, monkeypatch, torch_int8):
-    """Where the CPU has AMX int8 tiles (amx_int8; forced either way here: oneDNN's int8 kernel runs on any x86 CPU),
-    Int8Linear holds its weight packed for both engines and multiplies WIDE_ROWS rows or more on oneDNN's, fewer on
-    the x86 engine's: both the int8 formula, to float rounding; without AMX, one packed weight. oneDNN runs them at
-    bucketed row counts (onednn_rows), so that inputs of many lengths do not grow the memory."""
-    monkeypatch.setattr(precision_module, "amx_int8", lambda: amx)
-    ran = []                                            # (packed weight, rows) of each kernel call
-    kernel = precision_module._int8_linear
-    monkeypatch.setattr(precision_module, "_int8_linear", lambda x, packed, r: ran.append((packed, len(x))) or
-                        kernel(x, packed, r))
-    torch.manual_seed(0)
-    w, b = torch.randn(768, 3072) * 0.02, torch.randn(768)
-    q = Int8Linear(w, b)
-    assert (q.packed_wide is not None) == amx and ("AMX" in repr(q)) == amx
-    for rows in (2, precision_module.WIDE_ROWS - 1, precision_module.WIDE_ROWS, 74):
-        x = torch.randn(rows, 3072)
-        wide = amx and rows >= precision_module.WIDE_ROWS
-        with torch.no_grad():
-            got = q(x)
-            want = precision_module.row_affine(lambda v: int8_matmul(v, q.qweight, q.scale,
-                                                                     precision_module._REDUCE_RANGE), q.row_sums, x)
-        torch.testing.assert_close(got, want + b, atol=1e-5, rtol=1e-5)
-        assert ran.pop() == ((q.packed_wide, onednn_rows(rows)) if wide else (q.packed, rows))
-    if amx:
-        lin = Int8Linear(torch.randn(256, 128), torch.randn(256))
-        with torch.no_grad():
-            for m in range(65, 1025, 2):                # the first sweep: every bucket
-                lin(torch.randn(m, 128))
-            before = _rss_mb()
-            for m in range(66, 1025, 2):                # 480 row counts not seen yet
-                lin(torch.randn(m, 128))
-        assert _rss_mb() - before < 40
+def test_int8_runs_few_rows_and_wide_products_on_their_engines(monkeypatch):
+    """int8_choice()'s "few" engine runs up to KERNEL_ROWS rows, its "wide" one above (here torch's for both, one
+    spied on: every CPU runs it); on inputs of many row counts the memory stays (oneDNN, under torch._int_mm, keeps
+    no kernel per row count)."""
+    monkeypatch.setattr(precision_module, "int8_choice", lambda: {"few": "torch", "wide": "torch"})
+    rows = []
+    mm = precision_module.int8_mm
+    monkeypatch.setattr(precision_module, "int8_mm", lambda x, *a: rows.append(x.numel() // x.shape[-1]) or mm(x, *a))
+    lin = Int8Linear(torch.randn(256, 128), torch.randn(256))
+    lin.engines = ("duolm", "torch")                    # the kernel's calls not spied: the few rows' engine not run
+    with torch.no_grad():
+        lin(torch.randn(precision_module.KERNEL_ROWS + 1, 128))
+        assert rows == [precision_module.KERNEL_ROWS + 1]
+        lin.engines = ("torch", "torch")
+        for m in range(65, 1025, 2):                    # the first sweep: every row count's first call
+            lin(torch.randn(m, 128))
+        before = _rss_mb()
+        for m in range(66, 1025, 2):                    # 480 row counts not seen yet
+            lin(torch.randn(m, 128))
+    assert _rss_mb() - before < 40
 
 
 # the packed path exists only where the CPU computes bf16 natively (oneDNN has no bf16 kernel elsewhere)
@@ -254,45 +239,31 @@ def test_onednn_fp32_packed_weights_equal_plain_at_gpt2_shapes():
     assert y.requires_grad and torch.equal(y, F.linear(x, w, b))
 
 
-@pytest.mark.parametrize("kernel", ["onednn", "int8"])
-def test_a_missing_private_kernel_falls_back_to_public_ops_with_the_same_numbers(kernel, monkeypatch, onednn,
-                                                                                  tmp_path):
-    """Where torch lacks a private kernel (here monkeypatched away), quantize takes the public path, warns once,
-    and gives the numbers the kernel gives: for oneDNN's matmul the engines timed without it (F.linear or duolm's
-    kernel: within 1e-5), int8_matmul for the x86 int8 kernel."""
-    from duolm import engines
-
+def test_a_missing_onednn_falls_back_to_public_ops_with_the_same_numbers(monkeypatch, tmp_path):
+    """Where torch lacks oneDNN's matmul (here monkeypatched away), quantize takes the engines timed without it
+    (F.linear or duolm's kernel), warns once, and gives the model's numbers within 1e-5."""
     model, idx = _gpt2(), torch.randint(0, 97, (2, 20))
-    precision = "fp32" if kernel == "onednn" else "int8"
-    monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)      # torch's int8 kernel, not duolm's
     with torch.no_grad():
-        want = _swapped(model, precision)(idx) if kernel == "int8" else model(idx)
-    precision_module._works.cache_clear()
-    monkeypatch.undo()                                 # fp32_choice() as it is, now seeing no kernel
-    if kernel == "onednn":
-        monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
-        monkeypatch.setattr(engines, "CACHE", tmp_path / "engines.json")          # timed anew, every engine equal
-        monkeypatch.setattr(engines, "time_engines", lambda: {n: {1: 1, 8: 1, 512: 1} for n in engines.candidates()})
-        engines.onednn_runs.cache_clear()
-        engines.fp32_choice.cache_clear()
-    else:
-        monkeypatch.setattr(precision_module, "vnni_rows", lambda: False)
-        monkeypatch.delattr(torch, "_make_per_channel_quantized_tensor")
+        want = model(idx)
+    monkeypatch.setattr(torch.ops, "mkldnn", types.SimpleNamespace())
+    monkeypatch.setattr(engines, "CACHE", tmp_path)                              # timed anew, every engine equal
+    monkeypatch.setattr(engines, "time_engines", lambda kind: {n: {1: 1, 8: 1, 512: 1}
+                                                               for n in engines.candidates(kind)})
+    engines.onednn_runs.cache_clear()
+    engines.fp32_choice.cache_clear()
     try:
-        with pytest.warns(RuntimeWarning, match="oneDNN matmul is" if kernel == "onednn" else "int8 kernel is"):
-            fallback = _swapped(model, precision)
+        with pytest.warns(RuntimeWarning, match="oneDNN matmul is"):
+            fallback = _swapped(model, "fp32")
         assert not any(isinstance(m, PackedLinear) for m in fallback.modules())
-        assert all(m.packed is None for m in fallback.modules() if isinstance(m, Int8Linear))
         with torch.no_grad():
             torch.testing.assert_close(fallback(idx), want, atol=1e-5, rtol=0)
     finally:
-        precision_module._works.cache_clear()
         engines.onednn_runs.cache_clear()
         engines.fp32_choice.cache_clear()
 
 
 def test_compile_traces_a_quantized_gpt2():
-    """torch.compile(fullgraph=True) over an int8 GPT-2: one graph (the int8 formula in public ops), the eager
+    """torch.compile(fullgraph=True) over an int8 GPT-2: one graph (the int8 engines as operators), the eager
     model's logits to float rounding."""
     model = _swapped(_gpt2(), "int8")
     idx = torch.randint(0, 97, (2, 12))
@@ -435,7 +406,7 @@ def test_fp32_engines_are_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
     runs = []
 
     def timed(times):
-        return lambda: runs.append(1) or times
+        return lambda kind: runs.append(kind) or times
     fast_onednn = {"mkl": {1: 9, 8: 9, 512: 9}, "onednn": {1: 2, 8: 2, 512: 3}, "onednn plain": {1: 5, 8: 5, 512: 3.05},
                    "duolm": {1: 1.97, 8: 2, 512: 9}}
     monkeypatch.setattr(engines, "time_engines", timed(fast_onednn))
@@ -455,16 +426,19 @@ def test_fp32_engines_are_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
     assert engines.fp32_choice.__wrapped__(unwritable)["wide"] == "onednn" and len(runs) == 4
 
 
-def test_fp32_engines_time_what_runs_here():
-    """time_engines times each candidate that runs here (mkl always; oneDNN where its op works, duolm's kernel where
-    it builds) on every row count asked, each product computing x @ w.T (the candidates' forms and calls agree)."""
-    from duolm import engines
-
+@pytest.mark.parametrize("kind", ["fp32", "int8"])
+def test_engines_time_what_runs_here(kind):
+    """time_engines times each candidate that runs here (fp32: mkl always, oneDNN where its op works, duolm's kernel
+    where it builds; int8: torch's always, duolm's where the CPU has VNNI) on every row count asked, each product
+    computing x @ w.T (int8: of w's int8 rows, by kernels.int8_reference's formula; the candidates' forms and calls
+    agree)."""
     w, x = torch.randn(40, 24), torch.randn(3, 24)
-    for name, (prepare, run) in engines.candidates().items():
-        torch.testing.assert_close(run(x, prepare(w)), x @ w.T, atol=1e-5, rtol=0, msg=name)
-    times = engines.time_engines(rows=(1, 2), megabytes=64, repeats=1)
-    assert set(times) == set(engines.candidates()) and all(set(t) == {1, 2} for t in times.values())
+    q, scale = int8_rows(w)
+    want = x @ w.T if kind == "fp32" else kernels.int8_reference(x, q, scale, (q.float() * scale[:, None]).sum(1), None)
+    for name, (prepare, run) in engines.candidates(kind).items():
+        torch.testing.assert_close(run(x, prepare(w)), want, atol=1e-5, rtol=0, msg=name)
+    times = engines.time_engines(kind, rows=(1, 2), megabytes=64, repeats=1)
+    assert set(times) == set(engines.candidates(kind)) and all(set(t) == {1, 2} for t in times.values())
 
 
 def test_packed_linear_on_wide_rows_runs_onednn_above_kernel_rows_and_f_linear_below():

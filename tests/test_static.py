@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters   # test-only: dynamo's own count of the graphs it compiled
 
-from duolm import kernels, precision
+from duolm import engines, kernels, precision
 from duolm.generation import generate, static
 from duolm.generation.static import (_DECODERS, StaticDecoder, advance, cache_length, decoder_of, own_code,
                                     prompt_length)
@@ -247,39 +247,25 @@ def test_compiled_step_of_a_packed_fp32_model(monkeypatch):
     assert not decoder_of(model).ahead
 
 
-@pytest.mark.parametrize("vnni", [False, True])
-def test_compiled_step_of_an_int8_model(vnni, monkeypatch):
-    """A model swapped by quantize(model, "int8"): the compiled step calls its int8 kernel as an operator: torch's x86
-    kernel as duolm::int8_linear (rows mapped by row_affine inside the graph) in torch.compile's step (torch.export
-    cannot trace its packed weight) or, where the CPU has AVX512-VNNI, duolm.kernels's as duolm_cpu::int8_linear in
-    AOTInductor's; never the formula in public ops (int8_matmul: float64 products, far slower); the eager int8 ids for
-    3 prompts. A deep copy's linears are operators' modules of their own, and it decodes through the same graph or
-    package: nothing is compiled again."""
+@pytest.mark.parametrize("engine", list(engines.candidates("int8")))
+def test_compiled_step_of_an_int8_model(engine, monkeypatch):
+    """A model swapped by quantize(model, "int8") on each int8 engine that runs here (duolm.kernels' operator
+    duolm_cpu::int8_linear, or int8_mm around torch._int_mm): the step compiled ahead of time (AOTInductor) calls it
+    as it is and gives the eager int8 ids for 3 prompts; a deep copy decodes through the same package: nothing is
+    compiled again."""
     import copy
 
-    if vnni and not precision.vnni_rows():
-        pytest.skip("this CPU lacks AVX512-VNNI: duolm.kernels's kernel does not run here")
-    if not vnni:
-        monkeypatch.setattr(precision, "vnni_rows", lambda: False)
+    monkeypatch.setattr(precision, "int8_choice", lambda: {"few": engine, "wide": engine})
     model = precision.quantize(sharpen(GPT2(GPT2Config.preset("tiny", block_size=256))), "int8")
     linears = [m for m in model.modules() if isinstance(m, precision.Int8Linear)]
-    # duolm's kernel runs below WIDE_ROWS rows where vnni; torch's x86 engine runs the rest where no oneDNN (AMX) does
-    wide = vnni and precision.amx_int8() and precision._works("int8")
-    assert linears and all((m.packed_rows is not None) == vnni and (m.packed is None) == wide for m in linears)
+    assert linears and all(m.engines == (engine, engine) for m in linears)
     prompts = prompts_of(3, seed=4, vocab=512)
     want = ids(model, prompts, 40, False, temperature=0)
-
-    def formula(*args):
-        raise AssertionError("int8_matmul traced")
-    monkeypatch.setattr(precision, "int8_matmul", formula)
-    assert ids(model, prompts, 40, True, temperature=0) == want
-    other = copy.deepcopy(model)              # a model of the same shape shares the graph: no new one is compiled
-    copies = [m for m in other.modules() if isinstance(m, precision.Int8Linear)]
-    assert all(precision._INT8[int(c.number)] is c for c in copies)
-    assert not {int(c.number) for c in copies} & {int(m.number) for m in linears}
+    assert ids(model, prompts, 40, True, temperature=0) == want and decoder_of(model).ahead
+    other = copy.deepcopy(model)              # a model of the same shape shares the package: none is compiled
     before = built()
     assert ids(other, prompts, 40, True, temperature=0) == want
-    assert built() == before and decoder_of(other).ahead == vnni
+    assert built() == before and decoder_of(other).ahead
 
 
 def test_an_ahead_of_time_step_refuses_strided_buffers():

@@ -1,20 +1,23 @@
-"""Which engine multiplies fp32 matrices on this CPU, chosen by timing the candidates once on the machine and kept on
-disk (as cuDNN's benchmark mode chooses, but kept: every process on a machine reads the same choice, so a resumed run,
-an evaluation and a server compute the same numbers bit for bit). The candidates:
+"""Which engine multiplies matrices on this CPU, fp32 and int8, chosen by timing the candidates once on the machine
+and kept on disk (as cuDNN's benchmark mode chooses, but kept: every process on a machine reads the same choice, so a
+resumed run, an evaluation and a server compute the same numbers bit for bit). The candidates:
 
-    "duolm"   duolm.kernels' fp32 kernel on a weight packed for it (where the kernels build: AVX-512)
-    "onednn"  oneDNN's matmul (torch.ops.mkldnn) on a weight packed into its blocked layout, or on the plain weight
-    "mkl"     PyTorch's F.linear (MKL's sgemm on x86)
+    fp32  "duolm"   duolm.kernels' fp32 kernel on a weight packed for it (where the kernels build: AVX-512)
+          "onednn"  oneDNN's matmul (torch.ops.mkldnn) on a weight packed into its blocked layout, or on the plain one
+          "mkl"     PyTorch's F.linear (MKL's sgemm on x86)
+    int8  "duolm"   duolm.kernels' int8 kernel on int8 rows packed for it (AVX512-VNNI)
+          "torch"   int8_mm: the same formula around torch._int_mm (oneDNN's int8 GEMM on x86; exact int32 sums)
 
     fp32_choice()   # {"few": "duolm", "wide": "onednn", "times": {...}, "key": ...}: the engine for products of up to
                     # FEW_ROWS rows (decoding: a token of each sequence) and the one for more (prompts, encoders)
+    int8_choice()   # the same for int8
 
-"few" is timed at 1 and 8 rows, "wide" at 512 rows, on weights of 256 MB in all: more than a CPU's last-level cache, so
-that, as when decoding a real model, every product streams its weight from memory. An engine wins by more than 3% or
-the earlier one in the order above stays (a tie is noise). The choice is kept under the key of what decides it (the
-CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a file that is missing,
-unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one line on stderr.
-duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it.
+"few" is timed at 1 and 8 rows, "wide" at 512 rows, on weights of 256 MB in all (fp32; 64 MB as int8): more than a
+CPU's last-level cache, so that, as when decoding a real model, every product streams its weight from memory. An
+engine wins by more than 3% or the earlier one in the order above stays (a tie is noise). The choice is kept under the
+key of what decides it (the CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a
+file that is missing, unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one
+line on stderr. duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ from duolm import kernels
 from duolm.fileio import write_json
 
 FEW_ROWS = 32                                   # KernelLinear's kernel runs up to this many rows
-CACHE = Path.home() / ".cache" / "duolm" / "engines.json"
+CACHE = Path.home() / ".cache" / "duolm" / "engines"                   # fp32.json, int8.json
 log = logging.getLogger("duolm.engines")
 
 
@@ -100,8 +103,63 @@ def works(name: str, call, instead: str) -> bool:
     return True
 
 
-def candidates() -> dict:
-    """The engines that run here -> (prepare(w) -> the form the engine reads, run(x, form) -> x @ w.T)."""
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: w (N, K) ~= q (N, K) * scale (N,), |q| <= 127; an all-zero
+    row (GPT-2's vocabulary padding) gets q = 0.
+
+    >>> q, s = int8_rows(torch.tensor([[0.5, -1.27], [0.0, 0.0]]))
+    >>> q.tolist(), [round(x, 4) for x in s.tolist()]
+    ([[50, -127], [0, 0]], [0.01, 0.0])
+    """
+    w = w.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    q = torch.round(w / scale.clamp(min=1e-12)[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int8_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor, bias: torch.Tensor | None,
+            q_sums: torch.Tensor) -> torch.Tensor:
+    """kernels.int8_linear's formula (the same u8 of each row of x) with the integer sums by torch._int_mm, which
+    multiplies int8 by int8: u8 - 128 goes in, and 128 * q_sums (q_sums[n] = sum_k q[n, k], int32) comes back, exactly.
+
+    A row [0, 1, 3] (u8 [0, 85, 255]) times the int8 row [1, 2, 0], scale 0.5: _int_mm gives -128 - 86 + 0 = -214,
+    plus 128 * 3 = 170 = 0 + 170 + 0, then 170 * (3 / 255) * 0.5 = 1.0 (as kernels.int8_reference).
+
+    >>> q, s = torch.tensor([[1, 2, 0]], dtype=torch.int8), torch.tensor([0.5])
+    >>> row_sums, q_sums = (q.float() * s[:, None]).sum(1), q.sum(1, dtype=torch.int32)
+    >>> int8_mm(torch.tensor([[0.0, 1.0, 3.0]]), q, s, row_sums, None, q_sums)
+    tensor([[1.]])
+    """
+    v = x.reshape(-1, x.shape[-1])
+    lo, hi = v.amin(-1, keepdim=True), v.amax(-1, keepdim=True)
+    span = (hi - lo).clamp(min=1e-30)
+    u8 = torch.round((v - lo) * torch.full_like(span, 255.0).div(span))
+    sums = torch._int_mm((u8 - 128).to(torch.int8), q.t()) + 128 * q_sums
+    y = torch.addcmul(lo * row_sums, sums.float(), span / 255.0 * scale)
+    y = y if bias is None else y + bias
+    return y.view(*x.shape[:-1], q.shape[0])
+
+
+def _int8_form(w: torch.Tensor) -> tuple:
+    """What int8_mm reads of w: its int8 rows, their scales, row sums (of q * scale) and integer row sums."""
+    q, scale = int8_rows(w)
+    return q, scale, (q.float() * scale[:, None]).sum(1), q.sum(1, dtype=torch.int32)
+
+
+def _int8_packed(w: torch.Tensor) -> tuple:
+    """What kernels.int8_linear reads of w: its int8 rows packed, their scales and row sums."""
+    q, scale, row_sums, _ = _int8_form(w)
+    return kernels.pack_int8(q), scale, row_sums
+
+
+def candidates(kind: str = "fp32") -> dict:
+    """The `kind` ("fp32", "int8") engines that run here -> (prepare(w) -> the form the engine reads, run(x, form) ->
+    x @ w.T, int8: of w as int8 rows)."""
+    if kind == "int8":
+        out = {"torch": (_int8_form, lambda x, f: int8_mm(x, f[0], f[1], f[2], None, f[3]))}
+        if kernels.ready() and kernels.int8_supported(kernels.cpuinfo("flags") or ""):
+            out["duolm"] = (_int8_packed, lambda x, f: kernels.int8_linear(x, *f, None))
+        return out
     out = {"mkl": (lambda w: w, lambda x, w: F.linear(x, w))}
     if onednn_runs():
         out["onednn"] = (pack_onednn, lambda x, p: onednn_linear(x, p, None))
@@ -111,14 +169,15 @@ def candidates() -> dict:
     return out
 
 
-def time_engines(rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5) -> dict:
-    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`), for weights of 4096 x 4096
-    (64 MB each) adding up to `megabytes`: the weights streamed from memory, as decoding a real model streams them."""
+def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5) -> dict:
+    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`) for the `kind` candidates, on
+    weights of 4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from memory, as decoding
+    a real model streams them."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(4096, 4096, generator=g) * 0.02 for _ in range(max(1, megabytes // 64))]
     times: dict = {}
     with torch.inference_mode():
-        for name, (prepare, run) in candidates().items():
+        for name, (prepare, run) in candidates(kind).items():
             forms = [prepare(w) for w in weights]
             for m in rows:
                 x = torch.randn(m, 4096, generator=g)
@@ -134,21 +193,29 @@ def time_engines(rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5) -> di
     return times
 
 
-def choose(times: dict, margin: float = 0.03) -> dict:
+ORDER = {"fp32": (["duolm", "onednn", "mkl"], ["onednn plain", "onednn", "mkl"]),   # few rows, wide
+         "int8": (["duolm", "torch"], ["duolm", "torch"])}
+
+
+def choose(times: dict, kind: str = "fp32", margin: float = 0.03) -> dict:
     """The engine for few rows (the sum of the 1- and 8-row times) and for wide products (512 rows) from time_engines'
-    `times`: the fastest, unless it beats the first in the order duolm, onednn, mkl that is within `margin` of it.
+    `times`: the fastest, unless it beats the first in ORDER[kind] that is within `margin` of it (fp32's wide
+    products: oneDNN on the plain weight stands for "onednn", which KernelLinear and PackedLinear both run).
 
     >>> choose({"mkl": {1: 3.0, 8: 3.0, 512: 9.0}, "onednn": {1: 2.0, 8: 2.0, 512: 6.0},
     ...         "onednn plain": {1: 2.5, 8: 2.5, 512: 6.1}, "duolm": {1: 1.5, 8: 2.4, 512: 8.0}})
     {'few': 'duolm', 'wide': 'onednn'}
+    >>> choose({"torch": {1: 2.0, 8: 2.0, 512: 6.0}, "duolm": {1: 1.0, 8: 1.0, 512: 6.1}}, "int8")
+    {'few': 'duolm', 'wide': 'duolm'}
     """
     def best(names, cost):
         names = [n for n in names if n in times]
         fastest = min(cost(n) for n in names)
         return next(n for n in names if cost(n) <= fastest * (1 + margin))
-    few = best(["duolm", "onednn", "mkl"], lambda n: times[n][1] + times[n][8])
-    wide = best(["onednn plain", "onednn", "mkl"], lambda n: times[n][512])
-    return {"few": few, "wide": "onednn" if wide.startswith("onednn") else "mkl"}
+    few_order, wide_order = ORDER[kind]
+    few = best(few_order, lambda n: times[n][1] + times[n][8])
+    wide = best(wide_order, lambda n: times[n][512])
+    return {"few": few, "wide": "onednn" if wide.startswith("onednn") else wide}
 
 
 def machine_key() -> str:
@@ -158,27 +225,39 @@ def machine_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-@functools.cache
-def fp32_choice(cache: Path | None = None) -> dict:
-    """This machine's fp32 engines ({"few", "wide", "times", "key"}): read from `cache` (default CACHE) where it holds
-    this machine_key(), else timed (time_engines, choose) and written there (a cache that cannot be written is said
-    once and the choice kept for the process)."""
-    path, key = cache or CACHE, machine_key()
+def _choice(kind: str, cache: Path | None) -> dict:
+    """This machine's `kind` engines ({"few", "wide", "times", "key"}): read from `cache` (default CACHE/<kind>.json)
+    where it holds this machine_key(), else timed (time_engines, choose) and written there (a cache that cannot be
+    written is said once and the choice kept for the process)."""
+    path, key = cache or CACHE / f"{kind}.json", machine_key()
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
-        if kept.get("key") == key and {kept.get("few"), kept.get("wide")} <= {"duolm", "onednn", "mkl"}:
+        if kept.get("key") == key and {kept.get("few"), kept.get("wide")} <= set(ORDER[kind][0] + ORDER[kind][1]):
             return kept
     except (OSError, ValueError, AttributeError):
         pass
     start = time.perf_counter()
-    times = time_engines()
-    choice = {**choose(times), "times": {n: {str(m): t for m, t in ts.items()} for n, ts in times.items()}, "key": key}
+    times = time_engines(kind)
+    choice = {**choose(times, kind), "times": {n: {str(m): t for m, t in ts.items()} for n, ts in times.items()},
+              "key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, choice, indent=1)
         where = f"kept in {path}"
     except OSError as e:
         where = f"not kept ({path}: {e.strerror or e})"
-    log.warning("duolm: timed the fp32 engines on this CPU in %.1f s: %s for few rows, %s for more; %s",
+    log.warning("duolm: timed the %s engines on this CPU in %.1f s: %s for few rows, %s for more; %s", kind,
                 time.perf_counter() - start, choice["few"], choice["wide"], where)
     return choice
+
+
+@functools.cache
+def fp32_choice(cache: Path | None = None) -> dict:
+    """This machine's fp32 engines (_choice)."""
+    return _choice("fp32", cache)
+
+
+@functools.cache
+def int8_choice(cache: Path | None = None) -> dict:
+    """This machine's int8 engines (_choice)."""
+    return _choice("int8", cache)

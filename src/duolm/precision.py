@@ -19,33 +19,27 @@ swaps the linears, in place, for modules that say what they run:
   * "int8": Int8Linear, dynamic quantization as CTranslate2's int8: the weight symmetric per output row (int8_rows),
     each input row quantized to uint8 on the fly by its own min and max, products summed in int32, output fp32:
     every row gets all 256 steps, whatever the other rows hold (an outlier token, padding, another request of the
-    batch). Below WIDE_ROWS rows on CPUs with AVX512-VNNI (vnni_rows()) duolm.kernels' int8 kernel does it all in one
-    call; elsewhere torch's x86 int8 kernels (fbgemm's; from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles,
-    amx_int8), which take one scale and zero point for the whole input: each row is first mapped onto [0, 1] and the
-    output mapped back (row_affine).
+    batch). The sums on the int8 engines timed on this machine (duolm.engines.int8_choice()): duolm.kernels' int8
+    kernel (AVX512-VNNI) or torch._int_mm (int8_mm), the same integers either way.
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
-Where a kernel is PyTorch-private (oneDNN's matmul, the quantized engine), it is tried once on a tiny input
-(duolm.engines.onednn_runs, _works); where it is missing or fails, the module runs the same arithmetic in public
-torch ops (the same numbers: tests/test_precision.py) and a warning says so once.
+Where a kernel is PyTorch-private (oneDNN's matmul), it is tried once on a tiny input (duolm.engines.onednn_runs);
+where it is missing or fails, the module runs F.linear and a warning says so once.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import platform
-import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
-from duolm.engines import (FEW_ROWS, fp32_choice, on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn,
-                           works)
+from duolm.engines import (FEW_ROWS, fp32_choice, int8_choice, int8_mm, int8_rows, on_rows, onednn_linear, onednn_rows,
+                           onednn_runs, pack_onednn)
 from duolm.kernels import cpuinfo as _cpuinfo
 from duolm.models.gpt2 import OneQueryAttention, TiedLinear
 
@@ -97,16 +91,6 @@ def autocast(precision: str, device):
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16)
 
 
-# ---------------------------------------------------------------------------------------------
-# private kernels, each tried once
-
-@functools.cache
-def _works(kernel: str) -> bool:
-    """Whether a private torch kernel ("int8": the quantized engine) exists here and runs; warns once where not."""
-    return works(f"{kernel} kernel", lambda: _int8_linear(torch.randn(2, 8), _int8_pack(*int8_rows(torch.randn(4, 8))),
-                                                          False), "running the same arithmetic in public torch ops")
-
-
 def wide_rows(m: int) -> int | None:
     """PackedLinear's rule where F.linear (MKL) is the faster for few rows and oneDNN for more: None (F.linear) up to
     KERNEL_ROWS rows, onednn_rows(m) above.
@@ -121,105 +105,6 @@ def _plain(x: torch.Tensor) -> bool:
     """Whether a forward on x takes F.linear rather than a packed weight: autograd on (training), or under
     torch.compile (inductor lowers only weights it packed)."""
     return (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling()
-
-
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-row int8: w (N, K) ~= q (N, K) * scale (N,), |q| <= 127; an all-zero
-    row (GPT-2's vocabulary padding) gets q = 0.
-
-    >>> q, s = int8_rows(torch.tensor([[0.5, -1.27], [0.0, 0.0]]))
-    >>> q.tolist(), [round(x, 4) for x in s.tolist()]
-    ([[50, -127], [0, 0]], [0.01, 0.0])
-    """
-    w = w.detach().float()
-    scale = w.abs().amax(dim=1) / 127.0
-    q = torch.round(w / scale.clamp(min=1e-12)[:, None]).clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def _int8_pack(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, engine: str | None = None):
-    """A quantized engine's packed form of q * scale, with the bias it adds to each output: the engine torch is set
-    to (x86: fbgemm's kernels), or `engine` ("onednn"). Quantized tensors are deprecated upstream; the tested torch
-    has them, and _works() falls back where they are gone."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        qw = torch._make_per_channel_quantized_tensor(q, scale.clamp(min=1e-12).double(),
-                                                      torch.zeros(len(q), dtype=torch.long), 0)
-    before = torch.backends.quantized.engine
-    torch.backends.quantized.engine = engine or before
-    try:
-        return torch.ops.quantized.linear_prepack(qw, bias)
-    finally:
-        torch.backends.quantized.engine = before
-
-
-def vnni_rows() -> bool:
-    """Whether Int8Linear runs duolm.kernels' int8 kernel here: the CPU has AVX512-VNNI and the kernels build."""
-    flags = _cpuinfo("flags") or ""
-    return kernels.int8_supported(flags) and kernels.available(flags)
-
-
-def amx_int8() -> bool:
-    """Whether the CPU has AMX int8 tiles and torch its oneDNN quantized engine, whose int8 kernel runs on them:
-    Int8Linear then multiplies WIDE_ROWS rows or more there (prefills, encoders' batches); the x86 engine, fbgemm,
-    keeps decoding's few rows, where oneDNN's kernel gained nothing (docs/precision.md)."""
-    return "amx_int8" in (_cpuinfo("flags") or "").split() and "onednn" in torch.backends.quantized.supported_engines
-
-
-WIDE_ROWS = 64
-
-
-def _int8_linear(x: torch.Tensor, packed, reduce_range: bool) -> torch.Tensor:
-    """The x86 dynamic int8 kernel on a packed weight. Called on an object that is not a tensor (the packed weight),
-    torch's dispatcher first asks it for __torch_function__, a lookup that fails by raising an exception, on a
-    small matrix at one row costlier than the kernel (docs/benchmarks.md). Subclasses' __torch_function__ is off
-    around the call (no subclass can reach inside the kernel), which skips the lookup; modes still see the op."""
-    with torch._C.DisableTorchFunctionSubclass():
-        return torch.ops.quantized.linear_dynamic(x.contiguous(), packed, reduce_range)
-
-
-# Without AVX512-VNNI, the x86 kernels multiply u8 x s8 pairs into int16, which 8-bit activations can overflow
-# (the kernel then takes 7-bit activations): what torch.cpu._is_vnni_supported() checks, read from the flags
-_REDUCE_RANGE = "avx512_vnni" not in (_cpuinfo("flags") or "").split()
-
-
-_TINY = torch.finfo(torch.float32).tiny
-
-
-def row_affine(f, row_sums: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W.T + bias for f(v) = v @ W.T + bias (bias None: none), computed as (f(u) - bias) * span + lo * row_sums
-    + bias with u = (x - lo) / span, lo and span the min and max - min of each row of x, and row_sums = W.sum(1):
-    every row enters f on [0, 1] (a constant row as zeros, its term (f(0) - bias) * span = 0). A single row goes in
-    as it is.
-
-    >>> W, b = torch.tensor([[1.0, 2.0], [0.0, -1.0]]), torch.tensor([1.0, 0.0])
-    >>> row_affine(lambda v: v @ W.T + b, W.sum(1), torch.tensor([[3.0, 5.0], [2.0, 2.0]]), b).tolist()
-    [[14.0, -5.0], [7.0, -2.0]]
-    """
-    if x.numel() == x.shape[-1]:
-        return f(x)
-    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)   # two passes: faster than aminmax(dim=-1)
-    span = (hi - lo).clamp_(min=_TINY)                  # no division by 0 for a constant row
-    y = f((x - lo) / span)
-    if bias is None:
-        return torch.addcmul(lo * row_sums, y, span)
-    return torch.addcmul(torch.addcmul(bias, lo, row_sums), y.sub_(bias), span)
-
-
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, reduce_range: bool = False) -> torch.Tensor:
-    """x @ (q * scale).T as the x86 dynamic int8 kernel computes it, in public torch ops: x quantized on one
-    scale s and zero point z chosen from min(x, 0) and max(x, 0) over [0, 255] ([0, 127] with reduce_range),
-    xq = clamp(round(x / s) + z), then s * scale * sum((xq - z) * q), the sums exact (float64).
-
-    >>> int8_matmul(torch.tensor([[0.0, 2.55]]), torch.tensor([[1, -2]], dtype=torch.int8), torch.tensor([0.5]))
-    tensor([[-2.5500]])
-    """
-    qmax = 127 if reduce_range else 255
-    lo, hi = x.min().double().clamp(max=0), x.max().double().clamp(min=0)
-    s = torch.where(hi > lo, (hi - lo) / qmax, 0.1).float()            # as the kernel: a float scale,
-    z = torch.round(-lo / s.double()).clamp(0, qmax).float()           # an integer zero point
-    xq = (torch.round(x.float() * (1 / s)) + z).clamp(0, qmax) - z     # x times the float 1/s, rounded to even
-    return (xq.double() @ q.double().T * (s.double() * scale.double())).float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,89 +196,36 @@ class BF16Linear(nn.Module):
                f"bias={self.bias is not None}, weight=bf16, kernel={kernel}"
 
 
-# The int8 kernel as an operator torch.compile calls without looking inside (torch.library.custom_op): dynamo cannot
-# trace the packed weight, a TorchScript object, so the operator takes the number of the Int8Linear that holds it, as
-# a tensor (a buffer: an input of the graph, not a constant in it, so that models of one shape share their graphs).
-_INT8: weakref.WeakValueDictionary = weakref.WeakValueDictionary()     # number -> Int8Linear, gone with the module
-_NUMBERS = itertools.count()
-
-
-@torch.library.custom_op("duolm::int8_linear", mutates_args=())
-def _int8_op(x: torch.Tensor, module: torch.Tensor, out_features: int) -> torch.Tensor:
-    return _INT8[int(module)].kernel(x)
-
-
-@_int8_op.register_fake
-def _(x, module, out_features):
-    return x.new_empty(*x.shape[:-1], out_features)
-
-
 class Int8Linear(nn.Module):
-    """y = x W^T + b with W as int8 rows with a scale each (int8_rows), each input row quantized to uint8 by its own
-    min and max. Fewer than WIDE_ROWS rows: where the CPU has AVX512-VNNI (vnni_rows()), duolm.kernels' int8 kernel in
-    one call. Elsewhere, and from WIDE_ROWS rows, row_affine around torch's x86 dynamic int8 kernel, which adds b
-    (under torch.compile as the operator duolm::int8_linear; int8_matmul where that kernel is unavailable): fbgemm's
-    packed weight, or from WIDE_ROWS rows oneDNN's where the CPU has AMX int8 tiles (amx_int8; kernel())."""
+    """y = x W^T + b with W as int8 rows with a scale each (int8_rows), each row of x mapped onto 0..255 by its own
+    min and max and the int32 sums mapped back (duolm.kernels' formula: a row's result is the same whatever the other
+    rows hold). The sums by the int8 engines timed on this machine (duolm.engines.int8_choice(): "few" up to
+    KERNEL_ROWS rows, "wide" above): "duolm", duolm.kernels' int8 kernel (AVX512-VNNI) on W packed once, or "torch",
+    int8_mm around torch._int_mm (oneDNN's int8 GEMM); both operators that compiled graphs call as they are."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        choice = int8_choice()
         q, scale = int8_rows(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scale", scale)
         self.register_buffer("row_sums", (q.float() * scale[:, None]).sum(1))
-        bias = None if bias is None else bias.detach().float()
-        self.register_buffer("bias", bias)
-        self.register_buffer("packed_rows", kernels.pack_int8(q) if vnni_rows() else None)
-        quantized = _works("int8")
-        wide = _int8_pack(q, scale, bias, engine="onednn") if quantized and amx_int8() else None
-        few = self.packed_rows is None or wide is None              # fbgemm's kernel runs some row counts
-        # the engines' packed weights (TorchScript objects) in a tuple: torch.export gathers a module's own attributes
-        self._packs = (wide, _int8_pack(q, scale, bias) if quantized and few else None)
-        self._register()
-
-    packed_wide = property(lambda self: self._packs[0], doc="oneDNN's packed weight (AMX int8 tiles), or None")
-    packed = property(lambda self: self._packs[1], doc="the x86 dynamic int8 engine's packed weight, or None")
-    # torch.export (the CPU's ahead-of-time step) traces it where duolm's kernel runs it, then at every row count
-    exportable = property(lambda self: self.packed_rows is not None)
-
-    def _register(self):
-        n = next(_NUMBERS)
-        self.register_buffer("number", torch.tensor(n), persistent=False)
-        _INT8[n] = self
-
-    def __setstate__(self, state):          # a copy (copy.deepcopy) is registered as a module of its own
-        super().__setstate__(state)
-        self._register()
-
-    def kernel(self, v):
-        """v @ W.T + b by the x86 dynamic int8 kernel: WIDE_ROWS rows or more on oneDNN's packed weight where there is
-        one (amx_int8), run at onednn_rows() rows (oneDNN keeps memory for every row count it meets; the zero rows
-        added leave the input's scale, and so every row's result, as it is), fewer on the x86 engine's. The two
-        compute the same formula, to float rounding."""
-        if self.packed_wide is not None and v.numel() >= WIDE_ROWS * v.shape[-1]:
-            return on_rows(lambda u: _int8_linear(u, self.packed_wide, _REDUCE_RANGE), v)
-        return _int8_linear(v, self.packed, _REDUCE_RANGE)
-
-    def matmul(self, v):
-        """v @ W.T + b."""
-        if self.packed is None and self.packed_wide is None:
-            y = int8_matmul(v, self.qweight, self.scale, _REDUCE_RANGE)
-            return y if self.bias is None else y + self.bias
-        if torch.compiler.is_compiling():
-            return _int8_op(v, self.number, self.qweight.shape[0])
-        return self.kernel(v)
+        self.register_buffer("q_sums", q.sum(1, dtype=torch.int32))
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        # duolm's kernel where it loads in this process (built once a machine), else torch's (a warning said why)
+        self.engines = tuple(e if e != "duolm" or kernels.ready() else "torch" for e in (choice["few"], choice["wide"]))
+        self.register_buffer("packed", kernels.pack_int8(q) if "duolm" in self.engines else None)
 
     def forward(self, x):
-        if self.packed_rows is not None and (torch.compiler.is_exporting() or x.numel() < WIDE_ROWS * x.shape[-1]):
-            return kernels.int8_linear(x, self.packed_rows, self.scale, self.row_sums, self.bias)
-        return row_affine(self.matmul, self.row_sums, x, self.bias)
+        few = x.numel() <= KERNEL_ROWS * x.shape[-1]
+        if (self.engines[0] if few else self.engines[1]) == "duolm":
+            return kernels.int8_linear(x, self.packed, self.scale, self.row_sums, self.bias)
+        return int8_mm(x, self.qweight, self.scale, self.row_sums, self.bias, self.q_sums)
 
     def extra_repr(self):
-        kernel = ("AVX512-VNNI rows" if self.packed_rows is not None else
-                  "x86 dynamic int8" if self.packed is not None else "int8 in public ops")
-        kernel += f", oneDNN (AMX) from {WIDE_ROWS} rows" if self.packed_wide is not None else ""
         return f"in_features={self.qweight.shape[1]}, out_features={self.qweight.shape[0]}, " \
-               f"bias={self.bias is not None}, kernel={kernel}"
+               f"bias={self.bias is not None}, kernel={self.engines[0]} int8 up to {KERNEL_ROWS} rows, " \
+               f"{self.engines[1]} above"
 
 
 class KernelAttention(OneQueryAttention):
@@ -409,10 +241,9 @@ class KernelAttention(OneQueryAttention):
 
 
 def engines_report() -> dict:
-    """What runs the matmuls on this CPU, as quantize() would swap them in (timing the fp32 engines first if this
-    machine has no choice kept yet): the machine, the fp32 engines with their timings, int8's engine, attention's."""
-    return {"machine": machine(), "fp32": fp32_choice(),
-            "int8": "duolm AVX512-VNNI" if vnni_rows() else "torch x86 (fbgemm)" if _works("int8") else "public ops",
+    """What runs the matmuls on this CPU, as quantize() would swap them in (timing the engines first if this machine
+    has no choice kept yet): the machine, the fp32 and int8 engines with their timings, attention's engine."""
+    return {"machine": machine(), "fp32": fp32_choice(), "int8": int8_choice(),
             "attention": "duolm" if kernels.ready() else "torch (SDPA, the formula when compiled)"}
 
 

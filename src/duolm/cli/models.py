@@ -3,6 +3,7 @@ env."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from duolm.cli.options import Progress, add_options, add_precision, for_inference, options, report_compile
 
@@ -134,15 +135,18 @@ def add_pretrain(sub):
 def cmd_generate(args):
     from duolm.checkpoint import load
     from duolm.generation import StopReason
+    from duolm.generation.grammar import Grammar
     from duolm.textgen import generate_text
 
+    grammar = (Grammar("choice", args.choice) if args.choice else Grammar("regex", args.regex) if args.regex else
+               Grammar("json", Path(args.json_schema).read_text(encoding="utf-8")) if args.json_schema else None)
     model, tok = load(args.dir)
     for_inference(model, args)
     gen = generate_text(model, tok, args.prompt, args.max_new_tokens, temperature=args.temperature,
                         top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                         num_beams=args.num_beams, length_penalty=args.length_penalty, stop=args.stop or (),
                         seed=args.seed, truncation=args.truncate, allow_special=args.allow_special,
-                        compile=args.compile)
+                        compile=args.compile, grammar=grammar)
     if gen.truncated_from:
         print(f"duolm: prompt truncated on the left from {gen.truncated_from} to {len(gen.prompt_ids)} tokens",
               file=sys.stderr)
@@ -183,6 +187,10 @@ def add_generate(sub):
                    help="decode through one static-shape step compiled with torch.compile (a CUDA graph on GPUs; "
                         "ahead of time by AOTInductor on CPUs); "
                         "pays a compilation first (printed), see docs/benchmarks.md for when it pays")
+    shape = p.add_mutually_exclusive_group()      # structured output (the 'grammar' extra)
+    shape.add_argument("--choice", action="append", metavar="TEXT", help="the output is one of these (repeatable)")
+    shape.add_argument("--regex", help="the output matches this regular expression (Rust's regex syntax)")
+    shape.add_argument("--json-schema", metavar="FILE", help="the output is compact JSON valid under this JSON schema")
     add_precision(p)
     p.set_defaults(func=cmd_generate)
 
@@ -260,12 +268,14 @@ def cmd_env(args):
     if args.json:
         print(json.dumps(r, indent=1))
         return
-    m, fp32 = r["machine"], r["fp32"]
+    m = r["machine"]
     print(f"CPU: {m['cpu']} ({m['capability']}, {m['threads']} threads, native bf16: {m['native_bf16']})")
-    print(f"fp32: {fp32['few']} up to 32 rows, {fp32['wide']} above (timed on this machine, key {fp32['key']})")
-    for name, times in fp32["times"].items():
-        print(f"  {name:>12}: " + ", ".join(f"{rows} rows {t * 1e3:.2f} ms" for rows, t in times.items()))
-    print(f"int8: {r['int8']}\nattention (decoding): {r['attention']}")
+    for kind in ("fp32", "int8"):
+        c = r[kind]
+        print(f"{kind}: {c['few']} up to 32 rows, {c['wide']} above (timed on this machine, key {c['key']})")
+        for name, times in c["times"].items():
+            print(f"  {name:>12}: " + ", ".join(f"{rows} rows {t * 1e3:.2f} ms" for rows, t in times.items()))
+    print(f"attention (decoding): {r['attention']}")
 
 
 def add_env(sub):
