@@ -7,6 +7,7 @@ import codecs
 import torch
 
 from duolm.generation import StopReason, beam_search, fill_mask, generate
+from duolm.generation.grammar import Grammar, Vocabulary
 from duolm.models import GPT2, BertForPreTraining
 from duolm.tokenizers import ByteLevelBPE, WordPiece
 
@@ -102,7 +103,7 @@ class TextGeneration:
 def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, temperature: float = 1.0,
                   top_k=None, top_p=None, repetition_penalty: float = 1.0, num_beams: int = 1,
                   length_penalty: float = 1.0, stop=(), seed=None, truncation: str = "none",
-                  allow_special: bool = False, compile: bool = False) -> TextGeneration:
+                  allow_special: bool = False, compile: bool = False, grammar: Grammar | None = None) -> TextGeneration:
     """Continue `prompt` with a GPT-2 model and its byte-level BPE tokenizer; text in, text out.
 
     The prompt is text: special tokens typed in it (e.g. "<|endoftext|>") stay text unless
@@ -112,7 +113,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
     shown), a `stop` string (cut before it), max_new_tokens or a full window. num_beams > 1: beam
     search (deterministic; the text comes in one piece). seed: reproducible sampling (None: fresh).
     Faster CPU decoding, same numbers: a model swapped by duolm.precision.quantize(model, "fp32").
-    compile: the static-shape decode step (duolm.generation.generate's compile=True)."""
+    compile: the static-shape decode step (duolm.generation.generate's compile=True).
+    grammar: structured output (duolm.generation.grammar.Grammar: a choice of strings, a regex, a JSON schema): every
+    token drawn keeps the text one the grammar allows, and generation stops (StopReason.STOP) once it is complete."""
     if not isinstance(model, GPT2):
         raise ValueError(f"generate_text needs a GPT-2 model, got {type(model).__name__} (for BERT use fill_mask)")
     if not isinstance(tokenizer, ByteLevelBPE):
@@ -135,6 +138,9 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
         raise ValueError(f"the prompt is {len(ids)} tokens but the model's context window is {window}; "
                          f"shorten it or truncate it on the left")
     stop_ids = [[eot]] if eot is not None else []
+    if grammar is not None and num_beams > 1:
+        raise ValueError("a grammar constrains sampling, not beam search: use num_beams=1")
+    constraints = None if grammar is None else [Vocabulary.of(tokenizer, model.config.vocab_size).constraint(grammar)]
 
     def pieces(result):
         stream = TextStream(list(stop))
@@ -147,7 +153,8 @@ def generate_text(model, tokenizer, prompt: str, max_new_tokens: int = 100, *, t
             g = torch.Generator(device=next(model.parameters()).device)
             g.seed() if seed is None else g.manual_seed(seed)
             gen = generate(model, [ids], max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                           repetition_penalty=repetition_penalty, stop=stop_ids, generator=g, compile=compile)
+                           repetition_penalty=repetition_penalty, stop=stop_ids, generator=g, compile=compile,
+                           constraints=constraints)
             for (t,) in gen:
                 if t is not None and t != eot:
                     yield stream.feed(tokenizer.decode_bytes([t]))   # holds back split characters

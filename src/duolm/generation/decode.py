@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from duolm.generation.base import StopReason, check_prompts, check_stop, device_dtype, last_logits, left_pad, new_cache
+from duolm.generation.grammar import constrain
 from duolm.generation.sampling import apply_repetition_penalty, next_token
 from duolm.generation.static import decoder_of
 
@@ -36,7 +37,7 @@ class Generation:
 
 
 def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-             repetition_penalty=1.0, stop=None, generator=None, compile=False) -> Generation:
+             repetition_penalty=1.0, stop=None, generator=None, compile=False, constraints=None) -> Generation:
     """Sample (or, with temperature=0, greedily pick) up to `max_new_tokens` ids after each prompt.
 
     prompts: list of token-id lists, any lengths (left-padded internally). The prompts are
@@ -48,8 +49,13 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=
     The model should be in eval mode (dropout off). Runs under torch.inference_mode.
     compile=True: every step after the prefill is the static-shape step of duolm.generation.static, compiled once
     per model and, on CUDA, replayed as a CUDA graph; the first call of a (batch, cache length) bucket pays the
-    compilation. Same ids as compile=False up to the last bits of the logits (the ops are fused differently)."""
+    compilation. Same ids as compile=False up to the last bits of the logits (the ops are fused differently).
+    constraints: one per prompt, a duolm.generation.grammar.Constraint (structured output: each draw masked to the
+    tokens its grammar allows; the prompt stops with StopReason.STOP once its text is complete) or None."""
     check_prompts(model, prompts, max_new_tokens)
+    constraints = [None] * len(prompts) if constraints is None else list(constraints)
+    if len(constraints) != len(prompts):
+        raise ValueError(f"{len(constraints)} constraints for {len(prompts)} prompts: give one per prompt (or None)")
     V = model.config.vocab_size
     stop = check_stop(stop, V)
     if temperature < 0:
@@ -63,7 +69,7 @@ def generate(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=
     prompts = [list(p) for p in prompts]
     state = {"reasons": [None] * len(prompts), "tokens": [[] for _ in prompts]}
     steps = _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
-                            repetition_penalty, stop, generator, state, compile)
+                            repetition_penalty, stop, generator, state, compile, constraints)
     return Generation(steps, state)
 
 
@@ -103,7 +109,7 @@ def _to_host(ids: torch.Tensor):
 
 
 def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
-                    repetition_penalty, stop, generator, state, compile):
+                    repetition_penalty, stop, generator, state, compile, constraints):
     cfg = model.config
     B, V = len(prompts), cfg.vocab_size
     reasons, tokens = state["reasons"], state["tokens"]
@@ -127,6 +133,7 @@ def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
         for s in range(n_steps):
             if seen is not None:
                 logits = apply_repetition_penalty(logits, seen, repetition_penalty)
+            logits = constrain(logits, [c if running[i] else None for i, c in enumerate(constraints)])
             nxt = next_token(logits, temperature, top_k, top_p, generator)
             if seen is not None:
                 seen.scatter_(1, nxt[:, None], True)
@@ -141,7 +148,8 @@ def _generate_steps(model, prompts, max_new_tokens, temperature, top_k, top_p,
                     continue
                 out.append(t)
                 tokens[i].append(t)
-                if any(tokens[i][-len(q):] == q for q in stop if len(q) <= len(tokens[i])):
+                if (any(tokens[i][-len(q):] == q for q in stop if len(q) <= len(tokens[i]))
+                        or constraints[i] is not None and constraints[i].advance(t)):
                     running[i] = False
                     reasons[i] = StopReason.STOP
             if s == n_steps - 1:

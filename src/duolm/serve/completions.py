@@ -15,7 +15,7 @@ import random
 import time
 
 from duolm.textgen import TextStream
-from duolm.serve.scheduler import Row, Sink
+from duolm.serve.rows import Row, Sink
 from duolm.serve.schemas import APIError, CompletionRequest
 
 DEFAULT_MAX_TOKENS = 16
@@ -131,7 +131,9 @@ class Choice(Sink):
         self._put(("done", self.index, self._text.finish(), reason))
 
 
-def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
+def make_rows(req: CompletionRequest, prompts: list, tokenizer, put, constraints=None) -> list:
+    """The rows of a request (choice i * n + j: prompt i's j-th), each with its constraint (structured.constraints:
+    one a row, or None)."""
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     rows = []
     for i, ids in enumerate(prompts):
@@ -146,6 +148,7 @@ def make_rows(req: CompletionRequest, prompts: list, tokenizer, put) -> list:
                 presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
                 logit_bias={int(t): b for t, b in (req.logit_bias or {}).items()},
                 prompt_logprobs=req.echo and req.logprobs is not None,
+                constraint=None if constraints is None else constraints[k],
                 sink=Choice(k, tokenizer, stop, put, stream=bool(req.stream))))
     return rows
 

@@ -45,15 +45,17 @@ def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequen
 
 def next_tokens(rows: list, logits: torch.Tensor) -> list[int]:
     """Each row's (scheduler.Row) next token drawn from its row of logits (B, V) as next_token draws it for the row
-    alone (its penalties, settings and generator), read to the host in one transfer: one wait for the device a step,
+    alone (its penalties, constraint, settings and generator), read to the host in one transfer: one wait for the device a step,
     not one a row. The greedy rows without penalties or bias take their argmax together (a row's argmax is its own)."""
-    plain = [j for j, r in enumerate(rows)
-             if r.temperature == 0 and not (r.presence_penalty or r.frequency_penalty or r.logit_bias)]
+    plain = [j for j, r in enumerate(rows) if r.temperature == 0 and
+             not (r.presence_penalty or r.frequency_penalty or r.logit_bias or r.constraint is not None)]
     if len(plain) == len(rows):
         return next_token(logits, 0).tolist()
     ids = dict(zip(plain, next_token(logits[plain], 0))) if plain else {}
     for j, r in enumerate(rows):
         if j not in ids:
             adjusted = penalized(logits[j:j + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
+            if r.constraint is not None:           # structured output: the tokens its grammar allows
+                adjusted = r.constraint.mask(adjusted)
             ids[j] = next_token(adjusted, r.temperature, r.top_k, r.top_p, r.generator)[0]
     return torch.stack([ids[j] for j in range(len(rows))]).tolist()

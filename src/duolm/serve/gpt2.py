@@ -17,6 +17,7 @@ from duolm.models import GPT2
 from duolm.serve.completions import Completion, encode_prompts, make_rows
 from duolm.serve.deps import Served
 from duolm.serve.schemas import APIError, CompletionRequest
+from duolm.serve.structured import constraints, requested
 
 
 # Prompts of up to this many characters are tokenized on the event loop (a fraction of a millisecond), longer ones in a
@@ -40,9 +41,13 @@ def router(s: Served) -> APIRouter:
         s.check_model(body.model)
         encode = functools.partial(encode_prompts, body, s.tokenizer, s.model.config)
         prompts = encode() if _characters(body.prompt) <= INLINE_CHARS else await run_in_threadpool(encode)
+        shapes = None                       # structured output: compiled in a thread (a schema may take milliseconds)
+        if requested(body) is not None:
+            shapes = await run_in_threadpool(constraints, body, s.tokenizer, s.model.config.vocab_size,
+                                             len(prompts) * body.n)
         queue: asyncio.Queue = asyncio.Queue()
         comp = Completion(body, prompts, s.tokenizer, s.name)
-        rows = make_rows(body, prompts, s.tokenizer, _threadsafe_put(queue))
+        rows = make_rows(body, prompts, s.tokenizer, _threadsafe_put(queue), shapes)
 
         def cancel():          # rows still waiting or running leave at the next step
             for row in rows:

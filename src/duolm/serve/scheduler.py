@@ -40,7 +40,6 @@ import copy
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -48,73 +47,14 @@ from duolm.generation.base import device_dtype, left_pad
 from duolm.generation.static import decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
+from duolm.serve.rows import Row, Sink, padded_groups
+
+__all__ = ["Row", "Scheduler", "Sink", "padded_groups"]
 
 log = logging.getLogger("duolm.serve")
 PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
 SCORE_TOKENS = 4096   # padded positions of one batched scoring forward at most (one longer prompt goes alone)
 JOIN_TOKENS = 2048    # padded positions of one prefill of joining rows at most (its cache: ~150 MB for GPT-2 124M)
-
-
-class Sink:
-    """Where a row's results go; called from the decode thread. Subclass and override."""
-
-    def prompt(self, logprobs: list) -> None:
-        """Log-probabilities of the prompt tokens ([None] first, then one `logprob_info` each)."""
-
-    def token(self, token: int, logprobs) -> bool:
-        """A new token (with its `logprob_info` or None); return True to stop the row here."""
-        return False
-
-    def done(self, reason: str) -> None:
-        """Called once at the end: "stop", "length", "cancelled" or "error"."""
-
-
-@dataclass(eq=False)
-class Row:
-    """One sequence to generate: `max_tokens` new tokens at most after `prompt` (token ids), drawn
-    as `next_token(penalized(logits, ...), temperature, top_k, top_p, generator)` with a generator seeded
-    by `seed` (the penalties and logit_bias neutral: the logits themselves).
-    logprobs: None, or how many alternatives to report with each token's log-probability.
-    prompt_logprobs: report the prompt tokens' log-probabilities too (OpenAI's echo + logprobs)."""
-
-    prompt: list
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: dict = field(default_factory=dict)       # token id -> added to its logit
-    logprobs: int | None = None
-    prompt_logprobs: bool = False
-    sink: Sink = field(default_factory=Sink)
-    cancelled: bool = False          # set from any thread; the row leaves at the next step
-    finished: bool = False
-    tokens: list = field(default_factory=list)
-    submitted: float = 0.0           # time.perf_counter() at submit()
-    times: list = field(default_factory=list)     # and when each token was drawn
-    n: int = 0                       # positions of this row in the cache
-    generator: torch.Generator | None = None
-    cache: KVCache | None = None     # batch_invariant: the row's own cache
-
-
-def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of prompts (their lengths, in arrival order) cut into consecutive groups whose padded size
-    (prompts x the longest) stays within budget; a prompt longer than the budget is a group alone.
-
-    >>> padded_groups([3, 5, 9, 2], 12)
-    [[0, 1], [2], [3]]
-    """
-    groups, longest = [], 0
-    for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
-            groups[-1].append(i)
-            longest = max(longest, n)
-        else:
-            groups.append([i])
-            longest = n
-    return groups
 
 
 class Scheduler:
@@ -385,7 +325,7 @@ class Scheduler:
         row.tokens.append(t)
         row.times.append(time.perf_counter())
         self.tokens_generated += 1
-        if row.sink.token(t, info):
+        if row.sink.token(t, info) or row.constraint is not None and row.constraint.advance(t):
             self._finish(row, "stop")
             return False
         if len(row.tokens) >= row.max_tokens:

@@ -24,6 +24,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class _Shape(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class JSONSchema(_Shape):
+    """OpenAI's response_format.json_schema."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | bool = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Shape):
+    """OpenAI's response_format: text (no constraint), json_object (any JSON object), json_schema."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchema | None = None
+
+
+class StructuredOutputs(_Shape):
+    """vLLM's structured_outputs (its StructuredOutputsParams), the constraints duolm runs: one of them."""
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+    regex: str | None = None
+    json_: dict | bool | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+
+
 class CompletionRequest(_Request):
     prompt: Texts
     max_tokens: Annotated[int, Field(ge=0)] | None = None                 # None: 16
@@ -46,6 +72,12 @@ class CompletionRequest(_Request):
     suffix: str | None = None                                    # "": GPT-2 does not insert text
     # extension: special tokens spelled in the prompt that become special ids (else they are text)
     allowed_special: Literal["all"] | list[str] = []
+    # structured output (serve/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs
+    response_format: ResponseFormat | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_regex: str | None = None
+    guided_json: dict | bool | str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class TokenizeRequest(_Request):

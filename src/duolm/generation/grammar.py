@@ -1,0 +1,151 @@
+"""Structured output: the tokens drawn must spell a text of a grammar (one of a list of strings, a regular expression,
+a JSON schema, any JSON object), as a mask on each draw's logits: the tokens that cannot continue a text of the
+grammar get -inf, so a draw (greedy or sampled, with any filter) picks among the others.
+
+The grammar engine is llguidance (the optional extra `grammar`), fed the model's byte-level vocabulary: the bytes of
+every token, end of text as its end. It computes a draw's mask when it is needed, from its lexer and Earley parser
+over a trie of the tokens' bytes (tens of microseconds for GPT-2's 50,257 tokens: benchmarks/serve.py
+--structured), with no index of the vocabulary built ahead for each grammar (outlines-core builds one: seconds for a
+JSON schema), and needs no other package (xgrammar needs transformers). docs/serving.md says more.
+
+    vocab = Vocabulary.of(tokenizer, model.config.vocab_size)
+    grammar = Grammar("json", {"type": "object", ...})
+    constraint = vocab.constraint(grammar)      # one per sequence: its state is the text so far
+    logits = constraint.mask(logits)            # (1, V): disallowed tokens -inf
+    done = constraint.advance(token)            # True: the text is complete, nothing may follow
+"""
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+KINDS = ("choice", "regex", "json", "json_object")
+# OpenAI's structured outputs write compact JSON: no whitespace between tokens, "," and ":" alone
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What the output must be: kind "choice" (value: a list of strings, the output one of them), "regex" (a regular
+    expression, Rust's regex syntax, matched by the whole output), "json" (a JSON schema, a dict or its text: compact
+    JSON valid under it) or "json_object" (value None: any JSON object)."""
+
+    kind: str
+    value: object = None
+
+    def source(self) -> str:
+        """The grammar in llguidance's form (a ValueError for a value of the wrong type)."""
+        import llguidance
+
+        m = llguidance.LLMatcher
+        if self.kind == "choice":
+            if not (isinstance(self.value, (list, tuple)) and self.value and
+                    all(isinstance(c, str) and c for c in self.value)):
+                raise ValueError("a choice needs a non-empty list of non-empty strings")
+            return m.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.value))
+        if self.kind == "regex":
+            if not isinstance(self.value, str):
+                raise ValueError("a regex must be a string")
+            return m.grammar_from_regex(self.value)
+        if self.kind in ("json", "json_object"):
+            schema = {"type": "object"} if self.kind == "json_object" else self.value
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"the JSON schema is not JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError("a JSON schema must be an object")
+            return m.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+        raise ValueError(f"grammar kind {self.kind!r} is not one of {', '.join(KINDS)}")
+
+
+_VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # tokenizer -> {vocab_size: Vocabulary}
+
+
+class Vocabulary:
+    """A tokenizer's tokens as llguidance sees them (their bytes; `eot_id` ends a text) for a model of `vocab_size`
+    logits (ids past the tokenizer's never allowed). Built once per tokenizer and size (~0.2 s for GPT-2's): of()."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        try:
+            import llguidance
+        except ImportError:
+            raise ImportError("structured output needs the 'grammar' extra: pip install 'duolm[grammar]'") from None
+        n = tokenizer.vocab_size
+        if n > vocab_size:
+            raise ValueError(f"the tokenizer has {n} tokens, the model {vocab_size} logits")
+
+        class Tokens:                       # what llguidance.TokenizerWrapper reads
+            eos_token_id, bos_token_id = tokenizer.eot_id, None
+            tokens = [tokenizer.decode_bytes([i]) for i in range(n)]
+            special_token_ids = list(tokenizer.special_tokens.values())
+
+            def __call__(self, text: bytes) -> list:
+                return tokenizer.encode(text.decode("utf-8", "replace"), disallowed_special=())
+
+        self.vocab_size, self.eot_id = vocab_size, tokenizer.eot_id
+        self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
+        self._llguidance = llguidance
+
+    @classmethod
+    def of(cls, tokenizer, vocab_size: int) -> "Vocabulary":
+        """The tokenizer's Vocabulary for a model of vocab_size logits, built on first use and kept with it."""
+        sizes = _VOCABULARIES.setdefault(tokenizer, {})
+        if vocab_size not in sizes:
+            sizes[vocab_size] = cls(tokenizer, vocab_size)
+        return sizes[vocab_size]
+
+    def compile(self, grammar: Grammar) -> str:
+        """The grammar checked against this vocabulary, in llguidance's form: a ValueError saying what is wrong for a
+        grammar it cannot compile (a regex or schema it does not support, a value of the wrong type)."""
+        source = grammar.source()
+        failed, messages = self._llguidance.LLMatcher.validate_grammar_with_warnings(source, self.llg)
+        if failed:
+            raise ValueError(" ".join(" ".join(messages).split()))      # (a regex error spans lines)
+        return source
+
+    def constraint(self, grammar: Grammar | str) -> "Constraint":
+        """A new sequence's Constraint under `grammar` (a Grammar, or what compile() returned)."""
+        return Constraint(self, self.compile(grammar) if isinstance(grammar, Grammar) else grammar)
+
+
+class Constraint:
+    """One sequence's state under a grammar: mask() the logits of its next draw, advance() by the token drawn."""
+
+    def __init__(self, vocab: Vocabulary, source: str):
+        self.vocab = vocab
+        self.matcher = vocab._llguidance.LLMatcher(vocab.llg, source, log_level=0)
+        if self.matcher.is_error():
+            raise ValueError(self.matcher.get_error())
+
+    def allowed(self) -> torch.Tensor:
+        """(V,) bool: the tokens that may come next (end of text when the text so far is complete)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        V = self.vocab.vocab_size
+        out = torch.zeros(V, dtype=torch.bool)
+        n = min(V, len(bits))
+        out[:n] = torch.from_numpy(bits[:n].view(np.bool_))
+        return out
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits (1, V) of this sequence's next draw -> a copy with the disallowed tokens at -inf."""
+        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+
+    def advance(self, token: int) -> bool:
+        """The token drawn (one mask() allowed); True when the text is complete and nothing may follow it."""
+        if not self.matcher.consume_token(token):
+            raise ValueError(f"token {token} does not continue the grammar: {self.matcher.get_error()}")
+        return self.matcher.is_stopped()
+
+
+def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
+    """logits (B, V) with each row masked by its constraint (a Constraint, or None: left as it is); `logits` itself
+    when no row has one."""
+    if not any(c is not None for c in constraints):
+        return logits
+    return torch.cat([logits[j:j + 1] if c is None else c.mask(logits[j:j + 1]) for j, c in enumerate(constraints)])

@@ -1,0 +1,190 @@
+"""Structured output (duolm.generation.grammar, llguidance): generate() and generate_text() under a choice, a regex and a
+JSON schema, and `duolm serve`'s /v1/completions under OpenAI's response_format and vLLM's guided_* and
+structured_outputs fields, checked with the official `openai` client against a real server process: sampled
+completions (temperature 1, a tiny random model) are valid texts of their grammar (Python's `re`, `json` and a JSON
+schema check written here, not the engine's) and end "stop" within their budget; rows with and without constraints
+decode in one batch; an all-permissive grammar draws the very ids of no grammar."""
+import json
+import re
+
+import pytest
+import torch
+
+import duolm
+from duolm.generation import generate
+from duolm.generation.grammar import Grammar, Vocabulary
+from duolm.models import GPT2, GPT2Config
+from duolm.textgen import generate_text
+from duolm.tokenizers import ByteLevelBPE
+
+pytest.importorskip("llguidance")
+pytest.importorskip("fastapi")
+from test_serve import gpt2, gpt2_dir, tiny_gpt2  # noqa: E402,F401
+
+# bounded: every string short, every number in a range, no free properties; compact JSON ends within ~40 tokens
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "kind": {"enum": ["cat", "dog", "fish"]},
+    "ok": {"type": "boolean"}}, "required": ["name", "age", "kind", "ok"], "additionalProperties": False}
+REGEX = r"[A-Z][a-z]{1,6}-[0-9]{2,3}"
+CHOICES = ["positive", "negative", "neutral", "mixed feelings"]
+BUDGET = 64
+
+
+def valid_json(text: str) -> bool:
+    """SCHEMA checked by hand, and compact: the text is json.dumps' compact form of what it holds."""
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return (isinstance(d, dict) and list(d) == ["name", "age", "kind", "ok"] and isinstance(d["name"], str)
+            and len(d["name"]) <= 6 and type(d["age"]) is int and 0 <= d["age"] <= 120
+            and d["kind"] in ("cat", "dog", "fish") and type(d["ok"]) is bool
+            and text == json.dumps(d, separators=(",", ":"), ensure_ascii=False)
+            or text == json.dumps(d, separators=(",", ":")))
+
+
+def ascii_tokenizer() -> ByteLevelBPE:
+    """128 one-byte tokens, each a whole character, and <|endoftext|> (128): every token continues any text."""
+    return ByteLevelBPE({bytes([i]): i for i in range(128)}, {"<|endoftext|>": 128})
+
+
+def test_generate_text_follows_each_grammar(gpt2):
+    model, tok = gpt2
+    for seed in range(8):
+        for grammar, ok in ((Grammar("choice", CHOICES), lambda t: t in CHOICES),
+                            (Grammar("regex", REGEX), lambda t: re.fullmatch(REGEX, t) is not None),
+                            (Grammar("json", SCHEMA), valid_json)):
+            gen = generate_text(model, tok, "The answer:", BUDGET, seed=seed, grammar=grammar)
+            text = "".join(gen)
+            assert ok(text) and gen.stop_reason == "stop", (grammar.kind, text)
+    with pytest.raises(ValueError, match="unclosed group"):
+        Vocabulary.of(tok, model.config.vocab_size).constraint(Grammar("regex", "a(b"))
+    with pytest.raises(ValueError, match="beam search"):
+        generate_text(model, tok, "x", 5, num_beams=2, grammar=Grammar("regex", "a+"))
+
+
+def test_a_permissive_grammar_draws_the_ids_of_none():
+    """Over a vocabulary of whole characters, (?s:.*) allows every token at every step (end of text included): the
+    masked draws are those of no grammar, seed for seed; a grammar that allows less draws other ids."""
+    tok = ascii_tokenizer()
+    torch.manual_seed(0)
+    model = GPT2(GPT2Config(vocab_size=129, block_size=64, n_layer=2, n_head=2, n_embd=32)).eval()   # near uniform
+    vocab = Vocabulary.of(tok, 129)
+    for seed in range(4):
+        runs = []
+        for constraint in (None, vocab.constraint(Grammar("regex", r"(?s:.*)")), vocab.constraint(Grammar("regex", "[a-z ]*"))):
+            gen = generate(model, [[1, 2, 3]], 30, stop=[[128]], generator=torch.Generator().manual_seed(seed),
+                           constraints=[constraint])
+            for _ in gen:
+                pass
+            runs.append(gen.tokens[0])
+        assert runs[1] == runs[0] and len(runs[0]) == 30
+        assert runs[2] != runs[0] and all(t in range(97, 123) or t in (32, 128) for t in runs[2])
+
+
+def test_rows_with_and_without_grammars_in_one_generate(gpt2):
+    model, tok = gpt2
+    vocab = Vocabulary.of(tok, model.config.vocab_size)
+    prompts = [tok.encode(p) for p in ("Pick one:", "Free text", "Code:")]
+    constraints = [vocab.constraint(Grammar("choice", CHOICES)), None, vocab.constraint(Grammar("regex", REGEX))]
+    gen = generate(model, prompts, 20, generator=torch.Generator().manual_seed(3), constraints=constraints)
+    for _ in gen:
+        pass
+    free = generate(model, prompts[1:2], 20, generator=torch.Generator().manual_seed(3))
+    assert tok.decode(gen.tokens[0]) in CHOICES and re.fullmatch(REGEX, tok.decode(gen.tokens[2]))
+    assert gen.stop_reasons[0] == gen.stop_reasons[2] == "stop" and gen.stop_reasons[1] == "max_new_tokens"
+    assert len(gen.tokens[1]) == 20 and next(free) is not None
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate(model, prompts, 5, constraints=[None])
+
+
+@pytest.fixture(scope="module")
+def served(gpt2_dir, tmp_path_factory):
+    from test_serve_e2e import server
+    with server(gpt2_dir, tmp_path_factory.mktemp("log") / "serve.log", "--max-concurrency", "128") as (url, _):
+        yield url
+
+
+def _client(url):
+    import openai
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+N = 128          # completions per constraint here (n=128: one request); benchmarks/serve.py --structured runs 1,000
+
+
+@pytest.mark.parametrize("field,value,ok", [
+    ("guided_choice", CHOICES, lambda t: t in CHOICES),
+    ("guided_regex", REGEX, lambda t: re.fullmatch(REGEX, t) is not None),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA}}, valid_json),
+])
+def test_openai_client_sampled_completions_are_all_valid(served, field, value, ok):
+    r = _client(served).completions.create(model="tiny-gpt2", prompt="Answer:", max_tokens=BUDGET, temperature=1.0,
+                                           n=N, seed=7, extra_body={field: value})
+    assert len(r.choices) == N
+    bad = [(c.text, c.finish_reason) for c in r.choices if not (ok(c.text) and c.finish_reason == "stop")]
+    assert bad == []
+    assert r.usage.completion_tokens <= N * BUDGET and len({c.text for c in r.choices}) > 1
+
+
+def test_openai_client_json_object_stream_and_unconstrained_rows_beside(served):
+    """json_object, streamed, beside unconstrained requests in the same batches: each stopped completion is a JSON
+    object; the unconstrained ones are those of a request alone."""
+    import concurrent.futures
+    client = _client(served)
+    plain = dict(model="tiny-gpt2", prompt="Once", max_tokens=12, temperature=1.0, seed=3)
+    alone = client.completions.create(**plain).choices[0].text
+
+    def streamed(seed):
+        texts, reasons = {}, {}
+        for chunk in client.completions.create(model="tiny-gpt2", prompt="{", max_tokens=BUDGET, temperature=1.0,
+                                               n=8, seed=seed, stream=True,
+                                               extra_body={"structured_outputs": {"json_object": True}}):
+            for c in chunk.choices:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                reasons[c.index] = c.finish_reason or reasons.get(c.index)
+        return texts, reasons
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        jobs = [pool.submit(streamed, s) for s in range(4)]
+        beside = [pool.submit(lambda: client.completions.create(**plain).choices[0].text) for _ in range(2)]
+        results = [j.result() for j in jobs]
+    assert [b.result() for b in beside] == [alone, alone]
+    stopped = [t for texts, reasons in results for k, t in texts.items() if reasons[k] == "stop"]
+    assert all(isinstance(json.loads(t), dict) for t in stopped)
+    assert all(t.startswith("{") for texts, _ in results for t in texts.values())
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"guided_json": {"type": "nope"}}, "guided_json"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"guided_choice": []}, "guided_choice"),
+])
+def test_bad_or_conflicting_constraints_are_400_naming_the_field(served, body, field):
+    import httpx
+    r = httpx.post(served + "/v1/completions", json={"prompt": "x", "max_tokens": 4, **body}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert r.json()["error"]["message"].startswith(field)
+
+
+def test_cli_generate_choice_regex_schema(gpt2_dir, tmp_path, capsys):
+    from duolm.cli import main
+    main(["generate", str(gpt2_dir), "Q:", "--choice", "yes", "--choice", "no", "--seed", "1"])
+    assert capsys.readouterr().out in ("Q:yes\n", "Q:no\n")
+    main(["generate", str(gpt2_dir), "", "--regex", REGEX, "--seed", "2"])
+    assert re.fullmatch(REGEX, capsys.readouterr().out.strip())
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    main(["generate", str(gpt2_dir), "", "--json-schema", str(tmp_path / "s.json"), "--seed", "3",
+          "--max-new-tokens", str(BUDGET)])
+    assert valid_json(capsys.readouterr().out.strip())
+    with pytest.raises(SystemExit):
+        main(["generate", str(gpt2_dir), "", "--regex", "a(b"])
+    err = capsys.readouterr().err
+    assert "unclosed group" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert duolm  # the package's lazy API stays importable beside the grammar extra
