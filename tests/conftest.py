@@ -44,6 +44,15 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def compiled_steps_kept(monkeypatch):
+    """The compiled decode steps are what the tests of compile test: kept untimed (a noisy machine could otherwise
+    keep the eager one; the timing's own test: tests/test_static.py::test_the_faster_decode_step_is_kept)."""
+    from duolm.generation import static
+
+    monkeypatch.setattr(static.StaticDecoder, "keep_faster", False)
+
+
 NO_CUDA = pytest.StashKey[int]()           # how many `cuda` tests were deselected
 
 

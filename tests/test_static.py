@@ -268,6 +268,33 @@ def test_compiled_step_of_an_int8_model(engine, monkeypatch):
     assert built() == before and decoder_of(other).ahead
 
 
+@pytest.mark.parametrize("compiled_wins", [True, False])
+def test_the_faster_decode_step_is_kept(compiled_wins, monkeypatch, caplog):
+    """A compiled step is kept only where it beats the same step run op by op: each (batch, cache length) timed once
+    (StaticStep.seconds, here answering for each side), alternating, one line saying which is kept; the kept step
+    gives generate's eager ids either way, and a second generation of that shape times nothing again."""
+    monkeypatch.setattr(StaticDecoder, "keep_faster", True)
+    timed = []
+
+    def seconds(step, calls=5):
+        eager = step._fn is advance
+        timed.append(eager)
+        return 2e-3 if eager == compiled_wins else 1e-3
+    monkeypatch.setattr(static.StaticStep, "seconds", seconds)
+    model = sharpen(GPT2(GPT2Config.preset("tiny", block_size=64)))
+    prompts = prompts_of(2, seed=5, vocab=512)
+    want = ids(model, prompts, 20, False, temperature=0)
+    dec = StaticDecoder(model)
+    _DECODERS[model] = dec
+    with caplog.at_level("WARNING", logger="duolm.generation"):
+        assert ids(model, prompts, 20, True, temperature=0) == want
+    assert timed == [False, True] * 3 and list(dec.compiled.values()) == [compiled_wins]
+    kept = "compiled" if compiled_wins else "eager"
+    assert [r.getMessage().endswith(f"keeping the {kept} one") for r in caplog.records] == [True]
+    assert (dec.get(2, 30)._fn is advance) != compiled_wins
+    assert ids(model, prompts, 20, True, temperature=0) == want and len(timed) == 6
+
+
 def test_an_ahead_of_time_step_refuses_strided_buffers():
     """A step compiled ahead of time reads its inputs as laid out when compiled (contiguous): a server's ids and
     positions as two columns of one tensor would be read wrong, so bind() refuses them before building anything."""

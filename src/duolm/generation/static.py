@@ -22,6 +22,8 @@ would launch a forward's ~200 operations one by one.
 """
 from __future__ import annotations
 
+import logging
+import statistics
 import time
 import types
 import warnings
@@ -38,6 +40,7 @@ MIN_PROMPT = 16         # the shortest bucketed prompt length
 # at every call (inductor's size_asserts; a step's inputs are the same tensors at every call, and dynamo's guards have
 # checked them: 275 Python calls a GPT-2 124M step, which a CPU's step pays for, a CUDA graph's replay not)
 LEAN = {"size_asserts": False}
+log = logging.getLogger("duolm.generation")
 
 
 def isa_options() -> dict:
@@ -114,6 +117,11 @@ def _captured(call, run):
     return graph, out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StaticStep:
     """One (batch, cache length) bucket: the cache, the step's input tensors (`ids`, `pos`, `at`, `keys`: see the
     module's doc) and, on CUDA, its captured graph. The tensors are fixed: a caller writes into them, never
@@ -155,6 +163,20 @@ class StaticStep:
             call()
             return
         self.graph, self.out = _captured(call, self._run)
+
+    def seconds(self, calls: int = 5) -> float:
+        """The median seconds of a step (a graph's replay where captured), each call put back as in warm()."""
+        state = [t.clone() for t in (self.pos, self.at, self.keys)]
+        times = []
+        for _ in range(calls):
+            _sync(self.ids.device)
+            start = time.perf_counter()
+            self._run() if self.graph is None else self.graph.replay()
+            _sync(self.ids.device)
+            times.append(time.perf_counter() - start)
+            for t, saved in zip((self.pos, self.at, self.keys), state):
+                t.copy_(saved)
+        return statistics.median(times)
 
     def prefill(self, idx: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Run the (left-padded) prompts eagerly into the cache's first columns -> their last logits (B, V)."""
@@ -285,7 +307,11 @@ class StaticDecoder:
     torch.export can trace the model: `ahead`), one StaticStep per (batch, cache length) bucket, kept across
     generations (the `max_steps` most recent), and one StaticPrefill per bucketed prompt length (torch.compile's).
     `compile_s` counts the seconds spent building them (compiling, warming up, capturing); `built` how many were
-    built."""
+    built. A compiled step is kept where it is the faster: each (batch, cache length) times it against the same step
+    run op by op (`advance` uncompiled: on a CPU as fast as generate's eager step, whose attention reads only the
+    columns a row sees), once, and says which it keeps (`compiled`: key -> True where compiled won)."""
+
+    keep_faster = True                              # False: keep every compiled step untimed (the tests of compile)
 
     def __init__(self, model, compile: bool = True, max_steps: int = 8):
         self._model = weakref.ref(model)
@@ -300,15 +326,39 @@ class StaticDecoder:
         self.max_steps = max_steps
         self.compile_s = 0.0
         self.built = 0
+        self.compiled: dict = {}                    # (batch, cache length) -> whether the compiled step is kept
 
     def _build(self, make):
         t = time.perf_counter()
         with torch.inference_mode():
             step = make()
             step.warm()
+            if isinstance(step, StaticStep) and self._compile and self.keep_faster:
+                self._keep_faster(step)
         self.compile_s += time.perf_counter() - t
         self.built += 1
         return step
+
+    def _keep_faster(self, step: StaticStep) -> None:
+        """`step` compiled where that is the faster for its (batch, cache length), else run op by op (advance);
+        timed on the first step of that shape, alternating, and said in one line."""
+        key = (step.ids.shape[0], step.keys.shape[1])
+        if key not in self.compiled:
+            compiled, graph = step._fn, step.graph
+            times = {"compiled": [], "eager": []}
+            for _ in range(3):
+                step._fn, step.graph = compiled, graph
+                times["compiled"].append(step.seconds())
+                step._fn, step.graph = advance, None
+                times["eager"].append(step.seconds())
+            step._fn, step.graph = compiled, graph
+            ms = {k: 1e3 * min(v) for k, v in times.items()}
+            self.compiled[key] = ms["compiled"] <= ms["eager"]
+            log.warning("duolm: the decode step of batch %d, cache length %d: compiled %.2f ms, eager %.2f ms: "
+                        "keeping the %s one", *key, ms["compiled"], ms["eager"],
+                        "compiled" if self.compiled[key] else "eager")
+        if not self.compiled[key]:
+            step._fn, step.graph = advance, None
 
     def _step_fn(self, batch: int):
         """The step function of `batch` rows: the AheadOfTime step of its package (loaded on first use, then kept) or
