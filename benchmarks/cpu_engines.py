@@ -7,7 +7,9 @@
     transformers' generate) and in int8 (duolm: int8 weights and dynamically quantized
     activations, as CTranslate2's compute_type int8); duolm's bf16 beside them (CTranslate2 has none on CPUs);
     duolm fp32 and int8 each eager (generate's default) and compiled (generate(compile=True): the static-shape step
-    of duolm.generation.static, compiled in the warm-up before the rounds; its seconds printed apart);
+    of duolm.generation.static, compiled in the warm-up before the rounds, kept where it beat the eager step when
+    built; its seconds and the step kept printed apart); torchao's int8 (Int8DynamicActivationInt8WeightConfig,
+    PyTorch's own CPU int8) on the same model, through the same compiled step;
   * a BERT-base encoder forward at 32 x 128 in fp32 (duolm Bert; CTranslate2 Encoder; transformers BertModel) and
     in int8 (duolm and CTranslate2, as for decoding);
   * in each batch's rounds, the matrix products of duolm's fp32 decoding alone (every weight once a step, on the
@@ -61,7 +63,7 @@ from duolm.generation.static import decoder_of
 from duolm.malloc import huge_pages, keep_freed_memory
 from duolm.models.gpt2 import TiedLinear
 from duolm.engines import onednn_linear, pack_onednn
-from duolm.precision import SWAPPED, fp32_choice, machine, quantize
+from duolm.precision import SWAPPED, fp32_choice, int8_choice, machine, quantize
 
 PROMPT = 32
 PRODUCTS = "duolm fp32, products alone"       # the matrix products of decoding without the rest
@@ -158,6 +160,17 @@ def _states(out):
     return np.asarray(out.last_hidden_state)
 
 
+def torchao_int8(model):
+    """`model` (fp32) with its nn.Linear weights as torchao's int8 (Int8DynamicActivationInt8WeightConfig: per-row
+    int8 weights, activations quantized per token at run time; the tied output layer, not an nn.Linear, stays fp32),
+    decoded through torch.compile's step (torch.export does not trace torchao's tensors here)."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    model.exportable = False
+    return model
+
+
 def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     ours, _ = load(folder / "gpt2")
     ours.eval()
@@ -168,6 +181,7 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     vocab = json.loads((folder / "gpt2-ct2-float32" / "vocabulary.json").read_text())
     ct2_prompts = [[vocab[i] for i in p] for p in prompts]
     fp32, int8, bf16 = (quantize(copy.deepcopy(ours), p) for p in ("fp32", "int8", "bf16"))
+    ao = torchao_int8(copy.deepcopy(ours))
 
     def duolm(model, compile=False):
         def run():
@@ -192,9 +206,11 @@ def decode_rows(folder, gpt_hf, batch, new, rounds, threads):
     engines = {"duolm fp32": duolm(fp32), "duolm fp32 compiled": duolm(fp32, True),
                "CTranslate2 fp32": ctranslate("float32"), "transformers fp32": hf, "duolm int8": duolm(int8),
                "duolm int8 compiled": duolm(int8, True), "CTranslate2 int8": ctranslate("int8"),
-               "duolm bf16": duolm(bf16)}
+               "duolm bf16": duolm(bf16), "torchao int8 compiled": duolm(ao, True)}
     ids = {k: f() for k, f in engines.items()}          # also the warm-up (and the compilation of the static steps)
-    compile_s = {k: decoder_of(m).compile_s for k, m in (("fp32", fp32), ("int8", int8))}
+    compiled = (("fp32", fp32), ("int8", int8), ("torchao", ao))
+    compile_s = {k: decoder_of(m).compile_s for k, m in compiled}
+    compile_s["kept"] = {k: "compiled" if all(decoder_of(m).compiled.values()) else "eager" for k, m in compiled}
     ref = ids["transformers fp32"]
     same = {k: sum(a == b for r, q in zip(ref, v) for a, b in zip(r, q)) / (batch * new) for k, v in ids.items()}
     # in the same rounds: what duolm's fp32 rate would be with nothing but products, and at batch 1 the bandwidth
@@ -302,10 +318,12 @@ def main():
     huge = not args.default_malloc and huge_pages()
     torch.set_num_threads(args.threads)
     m = machine()
-    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; fp32: {fp32_choice()['few']} (few rows), {fp32_choice()['wide']} (more); "
+    print(f"CPU: {m['cpu']}, native bf16: {m['native_bf16']}, {args.threads} threads; engines timed here (few rows, "
+          f"more): fp32 {fp32_choice()['few']}, {fp32_choice()['wide']}; int8 {int8_choice()['few']}, "
+          f"{int8_choice()['wide']}; "
           f"load average at start: {os.getloadavg()[0]:.2f}; freed memory kept, huge pages (duolm.malloc): "
           f"{kept}, {huge}")
-    out = {"machine": m, "load_start": os.getloadavg()[0], "malloc_kept": kept, "huge_pages": huge, "decode": {},
+    out = {"machine": m, "engines": {"fp32": fp32_choice(), "int8": int8_choice()}, "load_start": os.getloadavg()[0], "malloc_kept": kept, "huge_pages": huge, "decode": {},
            "encoder": {}}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
@@ -332,11 +350,13 @@ def main():
                     f"every weight once a step, {batch} row{'s' * (batch > 1)}"
                 print(f"  batch {batch}  {k:<19} {v:8.1f} tokens/s; {ids}{extra}")
             print(f"  batch {batch}  the compiled steps' compilation (before the rounds): fp32 {compile_s['fp32']:.1f} s, "
-                  f"int8 {compile_s['int8']:.1f} s")
+                  f"int8 {compile_s['int8']:.1f} s, torchao {compile_s['torchao']:.1f} s; the step kept (timed against "
+                  f"eager): " + ", ".join(f"{k} {v}" for k, v in compile_s["kept"].items()))
             print(f"  batch {batch}  duolm / CTranslate2: fp32 {tps['duolm fp32'] / tps['CTranslate2 fp32']:.2f}x "
                   f"(compiled {tps['duolm fp32 compiled'] / tps['CTranslate2 fp32']:.2f}x), "
                   f"int8 {tps['duolm int8'] / tps['CTranslate2 int8']:.2f}x "
-                  f"(compiled {tps['duolm int8 compiled'] / tps['CTranslate2 int8']:.2f}x); duolm bf16 / duolm fp32 "
+                  f"(compiled {tps['duolm int8 compiled'] / tps['CTranslate2 int8']:.2f}x; torchao int8 compiled "
+                  f"{tps['torchao int8 compiled'] / tps['CTranslate2 int8']:.2f}x); duolm bf16 / duolm fp32 "
                   f"{tps['duolm bf16'] / tps['duolm fp32']:.2f}x (CTranslate2 has no bf16 on CPUs); "
                   f"duolm / transformers fp32 "
                   f"{tps['duolm fp32'] / tps['transformers fp32']:.2f}x (compiled "
