@@ -61,6 +61,12 @@ class ServeConfig:
         "help": "matmul arithmetic (duolm.precision): auto = fp32, exact on the engines timed fastest on this CPU "
                 "(`duolm env`); bf16 / int8 (int8 CPU only) faster, with slightly different numbers",
                 "choices": ("auto", "fp32", "bf16", "int8")})
+    prefix_cache: bool = field(default=True, metadata={
+        "help": "GPT-2: keep the keys and values of recent prompts; a prompt sharing a prefix with one computes only "
+                "the rest (lm-evaluation-harness's choices of an item share their context)"})
+    prefix_cache_mb: float = field(default=1024.0, metadata={
+        "help": "memory the prefix cache holds at most, least recently used evicted (GPT-2 124M in fp32: ~72 KB a "
+                "token)"})
     batch_window_s: float = field(default=0.005, metadata={"cli": False})   # BERT: wait to batch requests
 
 

@@ -37,7 +37,7 @@ from duolm.serve.schemas import APIError
 def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Pooling | None = None) -> FastAPI:
     """A FastAPI app serving `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads,
     in eval mode) with its tokenizer, as `config` says (its model_name, api_key, max_concurrency, max_queue,
-    max_body_bytes, batch_window_s, batch_invariant, compile (None: on for CUDA), precision: duolm.precision.quantize swaps the model's linears,
+    max_body_bytes, batch_window_s, batch_invariant, compile (None: on for CUDA), prefix_cache(_mb), precision: duolm.precision.quantize swaps the model's linears,
     in place, for it).
     pooling: how BERT embeddings are pooled (encoders.read_pooling;
     default [CLS], normalised). The model's worker thread runs while the app's lifespan does."""
@@ -52,7 +52,8 @@ def create_app(model, tokenizer, config: ServeConfig | None = None, pooling: Poo
     metrics = Metrics(name)
     quantize(model, resolve(opts.precision, opts.device, training=False))
     compile = opts.compile if opts.compile is not None else torch.device(opts.device).type == "cuda"
-    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant, compile)
+    cache_mb = opts.prefix_cache_mb if opts.prefix_cache else 0
+    worker = (Scheduler(model, opts.max_concurrency, metrics.sequence, opts.batch_invariant, compile, cache_mb)
               if isinstance(model, GPT2) else EncoderWorker(opts.batch_window_s))
     admission, connections = Admission(opts.max_concurrency + opts.max_queue), Connections(opts.max_connections)
     metrics.watch(admission.stats, connections.stats, worker.stats)

@@ -31,6 +31,13 @@ STATS = {
                        "Sequences ended, by finished_reason (stop, length, cancelled, error)"),
     "compile_s": ("duolm:compile_seconds", "counter",
                   "Seconds spent compiling and capturing static decode steps and prefills (--compile)"),
+    "prefix_cache_hits": ("duolm:prefix_cache_hits", "counter", "Prompts that reused a cached prefix (GPT-2)"),
+    "prefix_cache_misses": ("duolm:prefix_cache_misses", "counter", "Prompts that found no cached prefix (GPT-2)"),
+    "prefix_cache_hit_tokens": ("duolm:prefix_cache_hit_tokens", "counter",
+                                "Prompt tokens whose keys and values came from the prefix cache"),
+    "prefix_cache_bytes": ("duolm:prefix_cache_bytes", "gauge", "Bytes of keys and values the prefix cache holds"),
+    "prefix_cache_evicted": ("duolm:prefix_cache_evicted", "counter", "Prefix cache nodes evicted (least recently "
+                                                                      "used) to stay within --prefix-cache-mb"),
     "batches": ("duolm:encoder_batches", "counter", "Batches the BERT worker ran"),
     "items": ("duolm:encoder_items", "counter", "Inputs in those batches"),
     "in_flight": ("duolm:requests_in_flight", "gauge", "Requests admitted and not yet answered"),

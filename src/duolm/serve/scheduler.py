@@ -43,10 +43,11 @@ import time
 
 import torch
 
-from duolm.generation.base import device_dtype, left_pad
+from duolm.generation.base import device_dtype
 from duolm.generation.static import decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
+from duolm.serve.prefix import PrefixCache
 from duolm.serve.rows import Row, Sink, padded_groups
 
 __all__ = ["Row", "Scheduler", "Sink", "padded_groups"]
@@ -63,10 +64,11 @@ class Scheduler:
     submit(rows) queues rows from any thread; the decode loop (start()/stop(), a daemon thread)
     prefills waiting rows as slots free up and steps the batch. step() runs one round of that loop
     in the caller's thread (tests drive it by hand). It is the server's `deps.Worker` for GPT-2.
-    batch_invariant: decode every row alone; compile: decode through static steps (see the module's doc)."""
+    batch_invariant: decode every row alone; compile: decode through static steps (see the module's doc);
+    prefix_cache_mb: the prefix cache's size (0: none)."""
 
     def __init__(self, model, max_batch: int = 16, on_finish=None, batch_invariant: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, prefix_cache_mb: float = 0.0):
         if max_batch < 1:
             raise ValueError(f"max_batch={max_batch} must be >= 1")
         self.model = model
@@ -91,6 +93,9 @@ class Scheduler:
         self._at = torch.zeros(1, dtype=torch.long, device=self.device)
         self._thread: threading.Thread | None = None
         self._stopping = False
+        # eager prefills (joining rows, scoring rows) past a prompt's cached prefix (prefix.py)
+        self.prefix = PrefixCache(int(prefix_cache_mb * 2 ** 20)) if prefix_cache_mb > 0 and not batch_invariant \
+            else None
 
     # --- the outside ---------------------------------------------------------------------------
 
@@ -111,7 +116,7 @@ class Scheduler:
                 "tokens_per_s": self.tokens_generated / self.busy_s if self.busy_s else 0.0,
                 "busy_s": self.busy_s, "prefill_s": self.prefill_s,
                 "compile_s": self._static.compile_s if self._static else 0.0,
-                "finish_reasons": dict(self.finish_reasons)}
+                "finish_reasons": dict(self.finish_reasons), **(self.prefix.stats() if self.prefix else {})}
 
     def submit(self, rows) -> None:
         now = time.perf_counter()
@@ -234,35 +239,41 @@ class Scheduler:
                 if self._prompted(row, h[0], first):
                     self._insert([row], keys, values, None)
             return
-        cfg = self.model.config
-        T = max(len(r.prompt) for r in rows)
-        room = min(cfg.block_size, T + max(rows[0].max_tokens, 1) - 1) if self.batch_invariant else T
-        cache = KVCache(cfg, len(rows), max_len=room, device=self.device, dtype=self.dtype)
-        idx, real = left_pad([r.prompt for r in rows], self.device)
-        try:
-            h = self.model.hidden(idx, real, cache)
-        except Exception:
-            if len(rows) == 1:
-                raise
-            log.exception("prefill of %d joining rows failed; each row again alone", len(rows))
-            for row in rows:
-                self._guard([row], self._join, [row], first)
+        if not self.batch_invariant:          # eager, together, past the prefixes cached
+            try:
+                cache, found, h = self._prefill(rows)
+            except Exception:
+                if len(rows) == 1:
+                    raise
+                log.exception("prefill of %d joining rows failed; each row again alone", len(rows))
+                for row in rows:
+                    self._guard([row], self._join, [row], first)
+                return
+            kept = [j for j, (row, (u, known, kv)) in enumerate(zip(rows, found))
+                    if self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)]
+            if kept:
+                M = max(u for u, _, _ in found)         # where the cached prefixes end
+                self._insert([rows[j] for j in kept], *self._aligned(cache, M, [(j, rows[j], found[j][0]) for j in kept]))
             return
-        kept = [j for j, row in enumerate(rows) if self._prompted(row, h[j, T - len(row.prompt):], first)]
-        if self.batch_invariant and kept:     # one row, alone in its cache
-            rows[0].cache, rows[0].n = cache, T
-            self._rows += rows
-        elif kept:
-            sel = slice(None) if len(kept) == len(rows) else kept
-            self._insert([rows[j] for j in kept], [k[sel] for k in cache.k], [v[sel] for v in cache.v],
-                         None if real is None else real.bool()[sel])
+        row, cfg = rows[0], self.model.config         # batch_invariant: one row, alone in the cache it keeps
+        cache = KVCache(cfg, 1, max_len=min(cfg.block_size, len(row.prompt) + max(row.max_tokens, 1) - 1),
+                        device=self.device, dtype=self.dtype)
+        h = self.model.hidden(torch.tensor([row.prompt], device=self.device), None, cache)
+        if self._prompted(row, h[0], first):
+            row.cache, row.n = cache, len(row.prompt)
+            self._rows.append(row)
 
-    def _prompted(self, row: Row, h: torch.Tensor, first: list) -> bool:
-        """A prefilled row (its hidden states h (P, C)): its prompt's log-probabilities handed over; False when that
-        was all it asked for (it ends), else its last hidden state appended to `first`."""
+    def _prompted(self, row: Row, h: torch.Tensor, first: list, known: list = (None,), kv=None) -> bool:
+        """A prefilled row (its hidden states h (P - u, C) past the u positions the prefix cache gave, whose tokens'
+        infos are known[1:]; kv: its prompt's keys and values for the prefix cache, or None): its prompt's
+        log-probabilities handed over; False when that was all it asked for (it ends), else its last hidden state
+        appended to `first`."""
         self.prompt_tokens += len(row.prompt)
-        if row.prompt_logprobs:
-            row.sink.prompt(self._prompt_logprobs(h, row))
+        infos = self._prompt_logprobs(h, row, known) if row.prompt_logprobs else None
+        if kv is not None:
+            self.prefix.insert(row.prompt, kv, infos, row.logprobs or 0)
+        if infos is not None:
+            row.sink.prompt(infos)
         if row.max_tokens == 0:
             self._finish(row, "length")
             return False
@@ -286,26 +297,75 @@ class Scheduler:
             row.n = len(row.prompt)
         self._rows.extend(rows)
 
-    def _score(self, rows: list[Row], first: list) -> None:
-        """Rows that draw at most one token: one forward over their prompts, right-padded, and no cache; the states
-        before each one's token appended to `first`."""
-        rows = [r for r in rows if self._admit(r)]
-        if not rows:
-            return
-        idx = torch.zeros(len(rows), max(len(r.prompt) for r in rows), dtype=torch.long, device=self.device)
-        for j, row in enumerate(rows):
-            idx[j, :len(row.prompt)] = torch.tensor(row.prompt)
-        h = self.model.hidden(idx)
-        for j, row in enumerate(rows):
-            self._prompted(row, h[j, :len(row.prompt)], first)
+    def _prefill(self, rows: list[Row]):
+        """One forward over the rows' prompts past the prefix each finds cached -> (the cache: row j's u_j cached
+        positions end at column M, its P_j - u_j new ones follow, right-padded; [(u_j, the infos of its first u_j + 1
+        tokens, its prompt's keys and values for the prefix cache or None)]; the hidden states (J, S, C) of the new
+        positions). A row asking for its prompt's log-probabilities reuses one position less than it finds: the state
+        before its first new token is computed."""
+        found, block = [], self.model.config.block_size
+        for r in rows:
+            need = (r.logprobs or 0) if r.prompt_logprobs else None
+            m, kv, infos = (0, None, []) if self.prefix is None else self.prefix.match(r.prompt, need)
+            found.append((max(0, min(m - (need is not None), len(r.prompt) - 1)), kv, infos))
+        S = max(len(r.prompt) - u for r, (u, _, _) in zip(rows, found))
+        if max(u for u, _, _ in found) + S > block:        # the cache's columns fit the window: reuse less
+            found = [(min(u, block - S), kv, infos) for u, kv, infos in found]
+        found = [(u, kv, infos[:u + 1] if u else [None]) for u, kv, infos in found]
+        for u, _, _ in found if self.prefix is not None else ():
+            self.prefix.count(u)
+        J, M = len(rows), max(u for u, _, _ in found)
+        cache = KVCache(self.model.config, J, max_len=M + S, device=self.device, dtype=self.dtype)
+        idx = torch.zeros(J, S, dtype=torch.long, device=self.device)
+        real = torch.zeros(J, M + S, dtype=torch.bool, device=self.device)
+        for buf in cache.k + cache.v:        # padding columns are read (with weight 0): keep them finite
+            buf[:, :, :M].zero_()
+        for j, (r, (u, kv, _)) in enumerate(zip(rows, found)):
+            for i, buf in enumerate(cache.k + cache.v):
+                buf[j, :, M - u:M] = kv[i, :, :u] if u else 0
+            idx[j, :len(r.prompt) - u] = torch.tensor(r.prompt[u:])
+            real[j, M - u:M + len(r.prompt) - u] = True
+        cache.length = M
+        h = self.model.hidden(idx, None if all(u == M for u, _, _ in found) else real, cache)
+        out = [(u, known, None if self.prefix is None else
+                torch.stack([b[j, :, M - u:M + len(r.prompt) - u] for b in cache.k + cache.v]))
+               for j, (r, (u, _, known)) in enumerate(zip(rows, found))]
+        return cache, out, h
 
-    def _prompt_logprobs(self, h: torch.Tensor, row: Row) -> list:
-        """None for the first prompt token, then logprob_info of each from the states h (P, C) before it; the
-        output layer runs on PROMPT_ROWS positions at a time ((rows, V) floats, not (P, V))."""
-        out, n = [None], len(row.prompt) - 1
+    def _aligned(self, cache: KVCache, M: int, kept: list):
+        """The keys and values of _prefill's rows kept, [(its row in the cache, Row, u)], right-aligned for _insert:
+        per layer (J, n_head, T, head_dim), and which columns are each row's (J, T) (None: all)."""
+        T = max(len(r.prompt) for _, r, _ in kept)
+        keys, values = [], []
+        for src, dst in ((cache.k, keys), (cache.v, values)):
+            for buf in src:
+                new = buf.new_zeros(len(kept), buf.shape[1], T, buf.shape[3])
+                for j, (k, r, u) in enumerate(kept):
+                    new[j, :, T - len(r.prompt):] = buf[k, :, M - u:M + len(r.prompt) - u]
+                dst.append(new)
+        real = torch.zeros(len(kept), T, dtype=torch.bool, device=self.device)
+        for j, (_, r, _) in enumerate(kept):
+            real[j, T - len(r.prompt):] = True
+        return keys, values, None if bool(real.all()) else real
+
+    def _score(self, rows: list[Row], first: list) -> None:
+        """Rows that draw at most one token: one forward over their prompts past their cached prefixes, right-padded;
+        the states before each one's token appended to `first`."""
+        rows = [r for r in rows if self._admit(r)]
+        if rows:
+            cache, found, h = self._prefill(rows)
+            for j, (row, (u, known, kv)) in enumerate(zip(rows, found)):
+                self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)
+
+    def _prompt_logprobs(self, h: torch.Tensor, row: Row, known: list) -> list:
+        """The prompt tokens' logprob_info (None for the first): `known` those of its first u + 1 tokens (from the prefix
+        cache; [None] without), then each next one's from the states h (P - u, C) before it; the output layer runs on
+        PROMPT_ROWS positions at a time ((rows, V) floats, not (P, V))."""
+        out, u = list(known), len(known) - 1
+        n = len(row.prompt) - 1 - u
         for i in range(0, n, PROMPT_ROWS):
             j = min(i + PROMPT_ROWS, n)
-            out += logprob_info(self.model.head(h[i:j]), row.prompt[i + 1:j + 1], row.logprobs or 0)
+            out += logprob_info(self.model.head(h[i:j]), row.prompt[u + i + 1:u + j + 1], row.logprobs or 0)
         return out
 
     def _draw(self, first: list) -> None:
