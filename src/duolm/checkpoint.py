@@ -359,7 +359,8 @@ def _load_state(model, sd: dict, source: str, optional=()):
 
 # --- save --------------------------------------------------------------------------------------
 
-def save(model, path, tokenizer=None, format="duolm", state: dict | None = None, weights: bool = True):
+def save(model, path, tokenizer=None, format="duolm", state: dict | None = None, weights: bool = True,
+         cache: bool = True):
     """Save `model` (GPT2, Bert, BertForPreTraining or a head model of duolm.models.heads) and optionally its
     tokenizer into directory `path`; `state`: the state dict to write instead of model.state_dict() (a sharded
     model's, gathered whole: duolm.train.parallel.model_state); weights=False: all but the weights (a sharded
@@ -372,10 +373,12 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None,
     sentence-transformers' modules.json and pooling files), model.safetensors with HF tensor names (tied
     output weights stored once, as transformers does), and the tokenizer's files plus a
     tokenizer_config.json that names the HF tokenizer class.
+    format="onnx": the HF directory with onnx/model.onnx (duolm.convert.onnx: graphs named as optimum's, checked in
+    ONNX Runtime against the model; cache: a GPT2's graph takes and returns the KV cache) in place of the weights.
     Each file is written atomically; config.json is written last. Returns the directory's Path.
     """
-    if format not in ("duolm", "hf"):
-        raise ValueError(f"format must be 'duolm' or 'hf', got {format!r}")
+    if format not in ("duolm", "hf", "onnx"):
+        raise ValueError(f"format must be 'duolm', 'hf' or 'onnx', got {format!r}")
     if not weights and format != "duolm":
         raise ValueError("weights=False writes a sharded checkpoint's files, in the duolm format only")
     model = _unwrap(model)
@@ -418,7 +421,11 @@ def save(model, path, tokenizer=None, format="duolm", state: dict | None = None,
     else:
         hf_sd = _hf.bert_to_hf(sd)
         config = _hf.bert_config_to_hf(model.config, heads)
-    _save_safetensors(hf_sd, path / WEIGHTS)
+    if format == "onnx":
+        from duolm.convert import onnx                         # onnx, onnxruntime: the `onnx` extra, this path only
+        onnx.export(model, path, cache)
+    else:
+        _save_safetensors(hf_sd, path / WEIGHTS)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, path)
         written = read_json(path / TOKENIZER_CONFIG) if (path / TOKENIZER_CONFIG).is_file() else {}

@@ -51,19 +51,33 @@ def add_tokenizer(sub):
 def cmd_convert(args):
     from duolm.checkpoint import load, save
 
+    if args.to != "onnx" and (args.quantize or args.no_cache):
+        raise ValueError(f"--quantize and --no-cache are options of --to onnx, not --to {args.to}")
     model, tok = load(args.src)
-    out = save(model, args.dst, tokenizer=tok, format=args.to)
+    out = save(model, args.dst, tokenizer=tok, format=args.to, cache=not args.no_cache)
     n = sum(p.numel() for p in model.parameters())
     what = type(model).__name__ + (f" + {type(tok).__name__}" if tok is not None else " (no tokenizer)")
     print(f"wrote {out} ({args.to} format): {what}, {n:,} parameters")
+    if args.quantize:
+        from duolm.convert.onnx import quantize
+
+        for a in quantize(model, out, cache=not args.no_cache):
+            top1 = "" if a.top1 is None else f", argmax as fp32's in {100 * a.top1:.1f}% of rows"
+            print(f"int8 {out / 'onnx' / a.file}: {a.output} cosine to fp32 >= {a.cosine:.4f}{top1} (sample inputs)")
 
 
 def add_convert(sub):
-    p = sub.add_parser("convert", help="convert a model directory between duolm and Hugging Face formats")
+    p = sub.add_parser("convert", help="convert a model directory between duolm and Hugging Face formats, or to ONNX")
     p.add_argument("src", help="duolm, Hugging Face (gpt2/bert), original TensorFlow release or training-run "
                                "directory, or a model name in the local Hugging Face cache (e.g. gpt2)")
     p.add_argument("dst", help="output directory (created; files in it are replaced)")
-    p.add_argument("--to", choices=["duolm", "hf"], default="duolm", help="output format (default: duolm)")
+    p.add_argument("--to", choices=["duolm", "hf", "onnx"], default="duolm",
+                   help="output format (default: duolm); onnx: the HF files with onnx/model.onnx, checked in ONNX "
+                        "Runtime (the onnx extra; docs/deployment.md)")
+    p.add_argument("--quantize", choices=["int8"], help="--to onnx: also onnx/*_quantized.onnx, ONNX Runtime's dynamic "
+                                                        "int8, with its agreement with fp32")
+    p.add_argument("--no-cache", action="store_true", help="--to onnx, a GPT-2 LM: a graph without the KV cache "
+                                                           "(input ids and mask -> logits)")
     p.set_defaults(func=cmd_convert)
 
 
