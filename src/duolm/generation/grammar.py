@@ -4,8 +4,7 @@ grammar get -inf, so a draw (greedy or sampled, with any filter) picks among the
 
 The grammar engine is llguidance (the optional extra `grammar`), fed the model's byte-level vocabulary: the bytes of
 every token, end of text as its end. It computes a draw's mask when it is needed, from its lexer and Earley parser
-over a trie of the tokens' bytes (tens of microseconds for GPT-2's 50,257 tokens: benchmarks/serve.py
---structured), with no index of the vocabulary built ahead for each grammar (outlines-core builds one: seconds for a
+over a trie of the tokens' bytes (benchmarks/serve_prefix.py times it for GPT-2's 50,257 tokens), with no index of the vocabulary built ahead for each grammar (outlines-core builds one: seconds for a
 JSON schema), and needs no other package (xgrammar needs transformers). docs/serving.md says more.
 
     vocab = Vocabulary.of(tokenizer, model.config.vocab_size)
