@@ -13,6 +13,10 @@ QA_PINS := transformers==4.57.3 tokenizers==0.22.1 huggingface_hub==0.36.0
 # (tests/test_onnx.py)
 ONNX_REFERENCE := $(VENV)/onnx-reference
 ONNX_PINS := optimum-onnx==0.1.0 optimum==2.1.0 sentence-transformers==5.1.2 datasets==4.4.1 $(QA_PINS)
+# minicons (sentence scoring: tests/test_scoring.py, benchmarks/scoring.py) calls batch_encode_plus, gone from
+# transformers 5: it alone in a folder of its own, run with QA_REFERENCE's transformers the same way
+MINICONS_REFERENCE := $(VENV)/minicons-reference
+MINICONS_PINS := minicons==0.3.39 wonderwords==3.0.1
 
 .PHONY: test install bench results demo clean
 
@@ -26,6 +30,8 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/pip install -q --no-deps --target $(QA_REFERENCE) $(QA_PINS)
 	rm -rf $(ONNX_REFERENCE)
 	$(BIN)/pip install -q --no-deps --target $(ONNX_REFERENCE) $(ONNX_PINS)
+	rm -rf $(MINICONS_REFERENCE)
+	$(BIN)/pip install -q --no-deps --target $(MINICONS_REFERENCE) $(MINICONS_PINS)
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     for add in (models.add_tokenizer, models.add_convert, models.add_prepare, models.add_pretrain,
                 tasks.add_finetune, tasks.add_predict, tasks.add_evaluate, models.add_generate,
-                models.add_fill_mask, tasks.add_eval, models.add_serve, models.add_demo, models.add_env):
+                models.add_fill_mask, tasks.add_eval, tasks.add_score, models.add_serve, models.add_demo, models.add_env):
         add(sub)
     return parser
 

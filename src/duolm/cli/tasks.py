@@ -186,10 +186,12 @@ def cmd_eval(args):
 def add_eval(sub):
     from duolm.evaluation import TASKS, EvalOptions
 
-    p = sub.add_parser("eval", help="zero-shot evaluation of a GPT-2 model with the GPT-2 paper's protocols",
+    p = sub.add_parser("eval", help="zero-shot evaluation with the GPT-2 paper's protocols (GPT-2), BLiMP (either "
+                                    "family)",
                        description="Perplexity per word / bits per byte with sliding windows and invertible "
                                    "de-tokenizers, LAMBADA, CBT, and the prompted tasks; prints each metric with "
-                                   "its protocol and, for the released GPT-2 sizes, the paper's number.")
+                                   "its protocol and, for the released GPT-2 sizes, the paper's number. BLiMP "
+                                   "(--task blimp --data FOLDER) scores GPT-2 or BERT (pseudo-log-likelihood).")
     p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run)")
     p.add_argument("--task", choices=list(TASKS), help="one task, with --data")
     p.add_argument("--data", help="the task's file (for translate: either file of the aligned pair)")
@@ -202,3 +204,37 @@ def add_eval(sub):
     add_options(p.add_argument_group("protocol"), EvalOptions)
     add_precision(p)
     p.set_defaults(func=cmd_eval)
+
+
+def cmd_score(args):
+    from duolm.checkpoint import load
+    from duolm.evaluation.scoring import score_sentences
+
+    if (args.text is None) == (args.file is None):
+        raise ValueError("give the sentences with --text (repeatable) or --file (one a line)")
+    sentences = args.text or [line for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    model, tok = load(args.model)
+    for_inference(model, args)
+    scores = score_sentences(model, tok, sentences, args.pll)
+    if args.json:
+        for s, r in zip(sentences, scores):
+            print(json.dumps({"sentence": s, "score": r["score"], **({k: r[k] for k in ("tokens", "token_scores")}
+                                                                     if args.tokens else {})}))
+        return
+    for s, r in zip(sentences, scores):
+        print(f"{r['score']:.4f}\t{s}")
+        if args.tokens:
+            print("".join(f"  {t!r} {v:.4f}\n" for t, v in zip(r["tokens"], r["token_scores"])), end="")
+
+
+def add_score(sub):
+    p = sub.add_parser("score", help="each sentence's log-likelihood (GPT-2) or pseudo-log-likelihood (BERT), in nats")
+    p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run); BERT with its MLM head")
+    p.add_argument("--text", action="append", help="a sentence (repeatable)")
+    p.add_argument("--file", help="a text file, one sentence a line")
+    p.add_argument("--pll", choices=["original", "within-word-l2r"], default="original",
+                   help="BERT: mask one token a copy, or also the pieces of its word to its right")
+    p.add_argument("--tokens", action="store_true", help="also each token's log-probability")
+    p.add_argument("--json", action="store_true", help="one JSON object a sentence")
+    add_precision(p)
+    p.set_defaults(func=cmd_score)

@@ -10,7 +10,7 @@ from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
-from duolm.evaluation import choice, prompted, tasks
+from duolm.evaluation import choice, prompted, scoring, tasks
 from duolm.evaluation.tasks import EvalOptions, Progress
 from duolm.models import GPT2
 from duolm.tokenizers import ByteLevelBPE
@@ -25,7 +25,9 @@ TASKS = {
     "coqa": prompted.coqa,
     "multiple-choice": choice.multiple_choice,
     "hellaswag": partial(choice.multiple_choice, task="hellaswag"),
+    "blimp": lambda model, tok, data, opts, progress: scoring.blimp(model, tok, data, opts.pll, on_progress=progress),
 }
+BOTH_FAMILIES = {"blimp"}           # tasks that score with BERT too (duolm.evaluation.scoring)
 
 # Table 3 of "Language Models are Unsupervised Multitask Learners": (column, task, our metric key).
 TABLE3_COLUMNS = [
@@ -103,7 +105,10 @@ def evaluate_lm(model, tokenizer, task: str, data, on_progress: Progress | None 
     names = {f.name for f in fields(EvalOptions)}
     if set(options) - names:
         raise ValueError(f"unknown option(s) {sorted(set(options) - names)}; options are {sorted(names)}")
-    check_model(model, tokenizer, task)
+    if task in BOTH_FAMILIES:
+        scoring.check_scorer(model, tokenizer)
+    else:
+        check_model(model, tokenizer, task)
     out = TASKS[task](model, tokenizer, data, EvalOptions(**options), on_progress)
     size = model_size(model)
     paper = paper_number(task, size)
@@ -171,6 +176,11 @@ def markdown(result: dict) -> str:
     the paper's number beside the one it reports; then the protocol line(s)."""
     if result.get("suite") == "zero-shot-mc" or "acc_norm" in result:
         return choice.markdown(result)
+    if "paradigms" in result:                        # BLiMP
+        rows = [("overall", result["acc"])] + [(f"field: {f}", a) for f, a in result["fields"].items()] + \
+            list(result["paradigms"].items())
+        return "\n".join(["| blimp | acc |", "|---|---|"] + [f"| {k} | {v:.2f} |" for k, v in rows]) + \
+            f"\n\nprotocol: {result['protocol']}"
     if "results" in result:
         return table3_markdown(result) + "".join(f"\n\n{t}: {r['protocol']}" for t, r in result["results"].items())
     paper = result.get("paper") or {}

@@ -38,6 +38,9 @@ class EvalOptions:
     seed: int = field(default=0, metadata={"help": "sampling seed (summarize)"})
     shots: int = field(default=4, metadata={"help": "translate: example pairs before each sentence"})
     direction: str = field(default="en-fr", metadata={"help": "translate: direction", "choices": ["en-fr", "fr-en"]})
+    pll: str = field(default="original", metadata={
+        "help": "blimp with a BERT model: the pseudo-log-likelihood (original: one token masked a copy; "
+                "within-word-l2r: also the pieces of its word to its right)", "choices": ["original", "within-word-l2r"]})
     compile: bool = field(default=False, metadata={
         "help": "coqa, summarize, translate: decode through the static-shape step compiled with torch.compile (a "
                 "CUDA graph on GPUs; no faster on the CPU); the scoring forwards stay eager"})
