@@ -145,3 +145,23 @@ def test_cli_score_and_eval_blimp(tokenizers, blimp_slice, tmp_path, capsys):
     main(["eval", str(tmp_path / "bert"), "--task", "blimp", "--data", str(blimp_slice), "--json"])
     printed = json.loads(capsys.readouterr().out)
     assert printed["paradigms"] == pytest.approx(result["paradigms"]) and "pseudo-log-likelihood" in printed["protocol"]
+
+
+def test_pretrain_logs_the_blimp_accuracy_duolm_eval_gives_on_its_checkpoint(data_dir, tokenizers, blimp_slice,
+                                                                              tmp_path, capsys):
+    """`duolm pretrain bert --eval-blimp` logs val_blimp_acc at every validation: the overall accuracy `duolm eval
+    --task blimp` gives on the run's last checkpoint (BERT's pseudo-log-likelihood)."""
+    from duolm.data import prepare
+    from duolm.runs import read_metrics
+
+    text = (data_dir / "tinyshakespeare" / "input.txt").read_text()[:20_000]
+    (tmp_path / "text.txt").write_text(text)
+    prepare([tmp_path / "text.txt"], tokenizers[1], tmp_path / "data", val_fraction=0.1, chunk_chars=8192)
+    run = tmp_path / "run"
+    main(["pretrain", "bert", "--data", str(tmp_path / "data"), "-o", str(run), "--preset", "tiny", "--block-size",
+          "64", "--batch-size", "4", "--max-steps", "2", "--eval-every", "2", "--eval-batches", "1", "--quiet",
+          "--precision", "fp32", "--eval-blimp", str(blimp_slice)])
+    rows = [r for r in read_metrics(run) if "val_blimp_acc" in r]
+    assert [r["step"] for r in rows] == [0, 2]
+    main(["eval", str(run), "--task", "blimp", "--data", str(blimp_slice), "--json"])
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["acc"] == rows[-1]["val_blimp_acc"]

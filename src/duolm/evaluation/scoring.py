@@ -52,7 +52,8 @@ def check_scorer(model, tokenizer) -> None:
 
 
 def _ids(tokenizer, sentences: list[str], window: int) -> list[list[int]]:
-    """Each sentence's token ids (GPT-2: <|endoftext|> first; BERT: [CLS] ... [SEP]), checked: not empty, in the window."""
+    """Each sentence's token ids (GPT-2: <|endoftext|> first; BERT: [CLS] ... [SEP]), checked: not empty, within
+    the window."""
     out = []
     for i, s in enumerate(sentences):
         if not isinstance(s, str) or not s.strip():
@@ -178,8 +179,9 @@ def read_blimp(data) -> list[dict]:
 
 def blimp(model, tokenizer, data, pll: str = "original", tokens: int = 8192, on_progress=None) -> dict:
     """BLiMP's accuracies (percentages) for either family: {"acc", "paradigms": {UID: acc}, "fields": {field: acc},
-    "pairs", "protocol", "items": [{UID, good, bad, right}]}. on_progress(done, total, metrics) after each paradigm."""
-    pairs = read_blimp(data)
+    "pairs", "protocol", "items": [{UID, good, bad, right}]}. data: a file or folder (read_blimp), or its pairs.
+    on_progress(done, total, metrics) after each paradigm."""
+    pairs = data if isinstance(data, list) else read_blimp(data)
     by_uid: dict[str, list[dict]] = {}
     for p in pairs:
         by_uid.setdefault(p["UID"], []).append(p)

@@ -22,6 +22,7 @@ from duolm.data import (
     open_split,
 )
 from duolm.evaluation.choice import multiple_choice, read_items
+from duolm.evaluation.scoring import blimp, read_blimp
 from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 from duolm.objectives import CAUSAL_LM, MLM_NSP
 from duolm.precision import resolve
@@ -56,6 +57,9 @@ class ModelConfig:
     eval_mc: list[str] | None = opt(None, "gpt2: a multiple-choice jsonl (llm-foundry's forms or HellaSwag's) scored "
                                           "at every validation, acc_norm logged as val_mc_<file name>_acc_norm; "
                                           "repeat for more files")
+    eval_blimp: str | None = opt(None, "a BLiMP .jsonl file or folder scored at every validation (either family: "
+                                       "GPT-2's log-likelihood, BERT's pseudo-log-likelihood), its overall accuracy "
+                                       "logged as val_blimp_acc")
 
 
 def build(family: str, data_dir, mc: ModelConfig, seed: int = 0):
@@ -89,22 +93,34 @@ def build(family: str, data_dir, mc: ModelConfig, seed: int = 0):
     return BertForPreTraining(config), MLM_NSP, train_data, val_data, tok
 
 
-def mc_validator(validate, files, tokenizer):
-    """`validate` plus val_mc_<name>_acc_norm for each multiple-choice file: `duolm eval --task multiple-choice`'s
-    (or hellaswag's) acc_norm of the model as it is, in eval mode and fp32. The files are read here, once."""
-    sets = {Path(f).stem: read_items(f)[1] for f in files}
-
-    def with_mc(model, step):
+def with_metrics(validate, metrics: dict):
+    """`validate` plus each metrics[name](model), of the model as it is, in eval mode (and fp32)."""
+    def run(model, step):
         out = validate(model, step)
         was_training = model.training
         model.eval()
         try:
-            for name, items in sets.items():
-                out[f"val_mc_{name}_acc_norm"] = multiple_choice(model, tokenizer, items)["acc_norm"]
+            out.update({name: f(model) for name, f in metrics.items()})
         finally:
             model.train(was_training)
         return out
-    return with_mc
+    return run
+
+
+def extra_metrics(mc: ModelConfig, family: str, tokenizer) -> dict:
+    """The validations --eval-mc and --eval-blimp add, name -> f(model), their files read here, once:
+    val_mc_<name>_acc_norm (`duolm eval --task multiple-choice`'s, or hellaswag's, acc_norm) and val_blimp_acc
+    (`duolm eval --task blimp`'s overall accuracy)."""
+    metrics = {}
+    if mc.eval_mc and family != "gpt2":
+        raise ValueError("--eval-mc scores a causal language model: pretrain gpt2")
+    for f in mc.eval_mc or ():
+        items = read_items(f)[1]
+        metrics[f"val_mc_{Path(f).stem}_acc_norm"] = lambda m, i=items: multiple_choice(m, tokenizer, i)["acc_norm"]
+    if mc.eval_blimp:
+        pairs = read_blimp(mc.eval_blimp)
+        metrics["val_blimp_acc"] = lambda m: blimp(m, tokenizer, pairs)["acc"]
+    return metrics
 
 
 def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = None,
@@ -125,14 +141,11 @@ def pretrain(family: str, data_dir, run_dir, model_config: ModelConfig | None = 
             from duolm.runs import read_manifest
             on_start(model, dev, (read_manifest(run_dir) or {}).get("step", 0) if resume else 0, tc.precision,
                      layout(model, tc, rank_world()[1]))
-        validate = loss_validator(objective, val_data, tc)
-        if mc.eval_mc:
-            if family != "gpt2":
-                raise ValueError("--eval-mc scores a causal language model: pretrain gpt2")
-            validate = mc_validator(validate, mc.eval_mc, tok)
+        validate = with_metrics(loss_validator(objective, val_data, tc), extra_metrics(mc, family, tok))
         result = train(model, objective, train_data, tc, run_dir, validate=validate, tokenizer=tok, resume=resume,
                        on_log=on_log)
         if rank == 0:
-            mc_plot = tuple(f"val_mc_{Path(f).stem}_acc_norm" for f in mc.eval_mc or ())
+            mc_plot = tuple(f"val_mc_{Path(f).stem}_acc_norm" for f in mc.eval_mc or ()) + \
+                (("val_blimp_acc",) if mc.eval_blimp else ())
             result["plot"] = plot_run(run_dir, PLOTS[family] + ((mc_plot,) if mc_plot else ()))
         return result

@@ -1,0 +1,159 @@
+"""Sentence scoring speed: duolm vs minicons on the same sentences and the same random weights, one run, alternating.
+
+  * BERT-base pseudo-log-likelihood ("original": one masked copy a token), duolm.evaluation.scoring.score_sentences
+    against minicons' MaskedLMScorer.sequence_score;
+  * GPT-2 124M log-likelihood (the first token after <|endoftext|>), against minicons' IncrementalLMScorer with
+    bos_token=True.
+
+The sentences are BLiMP's (../shared/data/blimp, both sentences of each pair, in file order). minicons needs
+transformers < 5: it runs in a process of its own (.venv/minicons-reference and .venv/qa-reference first on its
+PYTHONPATH, as the tests run it), which loads its model once and scores each batch it is sent; its time is measured
+there, around the scoring alone. duolm runs in this process, in fp32 on the engines quantize() picks (as `duolm
+score` runs). Each round times both on every sentence; the median of --rounds rounds; the scores' largest difference
+is printed too. Prints the CPU and the load average.
+
+    python benchmarks/scoring.py [--threads 2] [--rounds 3] [--bert-sentences 200] [--gpt2-sentences 1000]
+                                 [--batch 20] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def worker(model_dir: str, kind: str, threads: int) -> None:
+    """Run with minicons importable: reads a JSON list of sentences a line, answers [seconds, scores]."""
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(threads)
+    from minicons import scorer
+
+    total = lambda x: x.sum(0).item()                     # noqa: E731
+    if kind == "gpt2":
+        lm = scorer.IncrementalLMScorer(model_dir, "cpu")
+        score = lambda b: lm.sequence_score(b, reduction=total, bos_token=True)          # noqa: E731
+    else:
+        lm = scorer.MaskedLMScorer(model_dir, "cpu")
+        score = lambda b: lm.sequence_score(b, reduction=total, PLL_metric="original")   # noqa: E731
+    print("ready", flush=True)
+    for line in sys.stdin:
+        batches = json.loads(line)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            out = [s for b in batches for s in score(b)]
+        print(json.dumps([time.perf_counter() - start, out]), flush=True)
+
+
+class Minicons:
+    def __init__(self, model_dir: Path, kind: str, threads: int):
+        venv = Path(sys.prefix)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(venv / "minicons-reference"),
+                                                             str(venv / "qa-reference")])}
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", str(model_dir), kind, str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        while self.proc.stdout.readline().strip() != "ready":
+            if self.proc.poll() is not None:
+                raise RuntimeError("the minicons worker ended before it was ready")
+
+    def __call__(self, batches: list[list[str]]) -> tuple[float, list[float]]:
+        self.proc.stdin.write(json.dumps(batches) + "\n")
+        self.proc.stdin.flush()
+        seconds, scores = json.loads(self.proc.stdout.readline())
+        return seconds, scores
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def sentences(n: int) -> list[str]:
+    out = []
+    for f in sorted((DATA / "blimp").glob("*.jsonl")):
+        for line in f.read_text(encoding="utf-8").splitlines():
+            item = json.loads(line)
+            out += [item["sentence_good"], item["sentence_bad"]]
+    return out[:n]
+
+
+def models(folder: Path):
+    """Random GPT-2 124M and BERT-base (with its pretraining heads), saved by duolm in HF's layout with the real
+    vocabularies; loaded back by duolm as `duolm score` loads them."""
+    import duolm
+    from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
+
+    torch.manual_seed(0)
+    bpe = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
+    wp = duolm.WordPiece.from_vocab(DATA / "bert-vocab" / "bert-base-uncased-vocab.txt")
+    duolm.save(GPT2(GPT2Config.preset("gpt2")), folder / "gpt2", tokenizer=bpe, format="hf")
+    duolm.save(BertForPreTraining(BertConfig.preset("bert-base")), folder / "bert", tokenizer=wp, format="hf")
+
+
+def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, threads: int) -> dict:
+    from duolm.checkpoint import load
+    from duolm.evaluation.scoring import score_sentences
+    from duolm.precision import quantize
+
+    model, tok = load(folder / kind)
+    model = quantize(model, "fp32")
+    theirs = Minicons(folder / kind, kind, threads)
+    batches = [texts[i:i + batch] for i in range(0, len(texts), batch)]
+    times: dict = {"duolm": [], "minicons": []}
+    for _ in range(rounds + 1):                              # the first round warms both up, untimed
+        start = time.perf_counter()
+        ours = [r["score"] for r in score_sentences(model, tok, texts)]
+        times["duolm"].append(time.perf_counter() - start)
+        seconds, scores = theirs(batches)
+        times["minicons"].append(seconds)
+    theirs.close()
+    rate = {k: len(texts) / statistics.median(v[1:]) for k, v in times.items()}
+    return {"sentences": len(texts), "sentences_per_s": rate, "ratio": rate["duolm"] / rate["minicons"],
+            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, scores))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--bert-sentences", type=int, default=200)
+    ap.add_argument("--gpt2-sentences", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=20, help="sentences a minicons call")
+    ap.add_argument("--json", help="also write the numbers here")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args.worker[0], args.worker[1], int(args.worker[2]))
+    from duolm.precision import machine
+
+    torch.set_num_threads(args.threads)
+    out = {"machine": machine(), "load_start": os.getloadavg()[0], "rounds": args.rounds}
+    print(f"CPU: {out['machine']['cpu']}, {args.threads} threads; load average at start: {out['load_start']:.2f}")
+    with tempfile.TemporaryDirectory() as tmp:
+        models(Path(tmp))
+        for kind, n, what in (("bert", args.bert_sentences, "BERT-base pseudo-log-likelihood (original)"),
+                              ("gpt2", args.gpt2_sentences, "GPT-2 124M log-likelihood")):
+            r = out[kind] = measure(kind, Path(tmp), sentences(n), args.batch, args.rounds, args.threads)
+            print(f"{what}, {r['sentences']} BLiMP sentences, median of {args.rounds} rounds: duolm "
+                  f"{r['sentences_per_s']['duolm']:.1f} sentences/s, minicons {r['sentences_per_s']['minicons']:.1f}: "
+                  f"{r['ratio']:.2f}x (scores differ by at most {r['max_abs_diff']:.1e} nats)")
+    out["load_end"] = os.getloadavg()[0]
+    print(f"load average at the end: {out['load_end']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
