@@ -407,7 +407,8 @@ def _reference_row(rec: dict) -> str:
 # --- the speed tables -----------------------------------------------------------------------------------------
 
 HEADLINE = ("gpt2-infer", "gpt2-train", "bert-train", "decode-b1-ctranslate2", "decode-b8-ctranslate2",
-            "finetune-sst2", "gpu-gpt2-train", "gpu-decode-bf16-b1")          # README.md's rows; docs/benchmarks.md has them all
+            "finetune-sst2", "onnx-bert-fp32", "onnx-bert-int8", "onnx-minilm-fp32", "onnx-minilm-int8",
+            "gpu-gpt2-train", "gpu-decode-bf16-b1")          # README.md's rows; docs/benchmarks.md has them all
 GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, precision)
     "gpt2-train": ("GPT-2 124M training step, 16x1024, compiled, fused AdamW, clip 1.0 (nanoGPT's settings)",
                    "python benchmarks/gpu.py --cases gpt2-train", "bf16"),

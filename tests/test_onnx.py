@@ -265,25 +265,45 @@ def test_minilm_encoder_and_embedding_graphs_match_duolm(minilm_onnx):
     assert {"config.json", "vocab.txt", "tokenizer_config.json", "modules.json", "1_Pooling", "2_Normalize"} <= files
 
 
-ST_ONNX = r"""
+# sentence-transformers' ONNX backend and optimum's ORTModelFor* classes, as a user loads the exports
+LOADERS = r"""
 import json, sys
+import torch
+from optimum.onnxruntime import ORTModelForCausalLM, ORTModelForSequenceClassification
 from sentence_transformers import SentenceTransformer
-path, texts = sys.argv[1], json.loads(sys.argv[2])
-model = SentenceTransformer(path, backend="onnx", device="cpu", model_kwargs={"file_name": "onnx/model.onnx"})
-print(json.dumps(model.encode(texts, convert_to_numpy=True).tolist()))
+job = json.loads(sys.argv[1])
+st = SentenceTransformer(job["minilm"], backend="onnx", device="cpu", model_kwargs={"file_name": "onnx/model.onnx"})
+lm = ORTModelForCausalLM.from_pretrained(job["gpt2"], subfolder="onnx")
+ids = lm.generate(torch.tensor([job["prompt"]]), max_new_tokens=32, do_sample=False)[0, len(job["prompt"]):]
+classify = ORTModelForSequenceClassification.from_pretrained(job["classify"], subfolder="onnx")
+x = torch.tensor(job["ids"])
+logits = classify(input_ids=x, attention_mask=torch.ones_like(x), token_type_ids=torch.zeros_like(x)).logits
+print(json.dumps({"embeddings": st.encode(job["texts"], convert_to_numpy=True).tolist(), "greedy": ids.tolist(),
+                  "logits": logits.tolist()}))
 """
 
 
-def test_minilm_loads_in_sentence_transformers_onnx_backend(minilm_onnx):
+def test_exports_load_in_sentence_transformers_and_optimum(minilm_onnx, gpt2, exported):
+    """SentenceTransformer(out, backend="onnx") gives duolm's embeddings; optimum's ORTModelForCausalLM.generate
+    duolm's greedy ids (32 tokens, through the KV cache graph); ORTModelForSequenceClassification duolm's logits."""
     model, tok, path = minilm_onnx
+    classifier, classify_path = exported("classify")
+    prompt, ids = [5, 17, 300, 42], [[2, 40, 9, 300, 77, 3]]
+    job = {"minilm": str(path), "texts": SENTENCES, "gpt2": str(gpt2[1]), "prompt": prompt,
+           "classify": str(classify_path), "ids": ids}
     env = {**os.environ, "PYTHONPATH": str(onnx_reference()), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-c", ST_ONNX, str(path), json.dumps(SENTENCES)], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", LOADERS, json.dumps(job)], env=env, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    got = np.array(json.loads(run.stdout.strip().splitlines()[-1]), dtype=np.float32)
-    ids, mask, seg = _encode(tok, SENTENCES)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    x, mask, seg = _encode(tok, SENTENCES)
+    greedy = generate(gpt2[0], [prompt], 32, temperature=0)
+    for _ in greedy:
+        pass
     with torch.no_grad():
-        _close(got, model(ids, seg, mask))
+        _close(np.array(got["embeddings"], dtype=np.float32), model(x, seg, mask))
+        _close(np.array(got["logits"], dtype=np.float32), classifier(torch.tensor(ids)))
+    assert got["greedy"] == greedy.tokens[0]
 
 
 def test_int8_export_agrees_with_fp32(minilm_onnx):
