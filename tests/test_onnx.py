@@ -234,10 +234,14 @@ def test_gpt2_graphs_match_duolm_with_and_without_cache(gpt2, tmp_path, one_thre
 
 @pytest.fixture(scope="module")
 def minilm_onnx(tmp_path_factory):
+    """all-MiniLM-L6-v2 through `duolm convert --to onnx` (a sentence-transformers checkpoint: exported as the embedding
+    model its modules make), and the same as duolm's BertForEmbedding."""
+    out = tmp_path_factory.mktemp("minilm")
+    main(["convert", str(minilm_dir()), str(out), "--to", "onnx"])
     bert, tok = load(minilm_dir())
     pooling = read_pooling(minilm_dir())
-    model = attach_head(bert, HeadConfig("embed", pooling=pooling.mode, normalize=pooling.normalize)).eval()
-    return model, tok, save(model, tmp_path_factory.mktemp("minilm"), tok, format="onnx")
+    assert (pooling.mode, pooling.normalize) == ("mean", True)
+    return attach_head(bert, HeadConfig("embed", pooling=pooling.mode, normalize=pooling.normalize)).eval(), tok, out
 
 
 def _encode(tok, texts):
@@ -263,6 +267,7 @@ def test_minilm_encoder_and_embedding_graphs_match_duolm(minilm_onnx):
         _close(got, vectors)
     files = {p.name for p in path.iterdir()}
     assert {"config.json", "vocab.txt", "tokenizer_config.json", "modules.json", "1_Pooling", "2_Normalize"} <= files
+    assert json.loads((path / "sentence_bert_config.json").read_text())["max_seq_length"] == 256     # MiniLM's
 
 
 # sentence-transformers' ONNX backend and optimum's ORTModelFor* classes, as a user loads the exports

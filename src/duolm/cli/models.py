@@ -50,10 +50,17 @@ def add_tokenizer(sub):
 
 def cmd_convert(args):
     from duolm.checkpoint import load, save
+    from duolm.convert.st import read_pooling
+    from duolm.models import Bert
+    from duolm.models.heads import MAX_LENGTH, HeadConfig, attach_head
 
     if args.to != "onnx" and (args.quantize or args.no_cache):
         raise ValueError(f"--quantize and --no-cache are options of --to onnx, not --to {args.to}")
     model, tok = load(args.src)
+    pooling = read_pooling(args.src) if args.to == "onnx" and type(model) is Bert else None
+    if pooling is not None and pooling.source:      # a sentence-transformers checkpoint: the embedding its modules make
+        model = attach_head(model, HeadConfig("embed", max_length=pooling.max_length or MAX_LENGTH, pooling=pooling.mode,
+                                              normalize=pooling.normalize))
     out = save(model, args.dst, tokenizer=tok, format=args.to, cache=not args.no_cache)
     n = sum(p.numel() for p in model.parameters())
     what = type(model).__name__ + (f" + {type(tok).__name__}" if tok is not None else " (no tokenizer)")
