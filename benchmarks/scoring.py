@@ -13,7 +13,7 @@ score` runs). Each round times both on every sentence; the median of --rounds ro
 is printed too. Prints the CPU and the load average.
 
     python benchmarks/scoring.py [--threads 2] [--rounds 3] [--bert-sentences 200] [--gpt2-sentences 1000]
-                                 [--batch 20] [--json out.json]
+                                 [--batch 20] [--tiny] [--json out.json]
 """
 from __future__ import annotations
 
@@ -89,17 +89,20 @@ def sentences(n: int) -> list[str]:
     return out[:n]
 
 
-def models(folder: Path):
-    """Random GPT-2 124M and BERT-base (with its pretraining heads), saved by duolm in HF's layout with the real
-    vocabularies; loaded back by duolm as `duolm score` loads them."""
+def models(folder: Path, tiny: bool):
+    """Random GPT-2 124M and BERT-base (with its pretraining heads), or (tiny) models of 2 layers 64 wide with the
+    same vocabularies, saved by duolm in HF's layout with the real vocabularies; loaded back by duolm as `duolm
+    score` loads them."""
     import duolm
     from duolm.models import GPT2, BertConfig, BertForPreTraining, GPT2Config
 
     torch.manual_seed(0)
     bpe = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
     wp = duolm.WordPiece.from_vocab(DATA / "bert-vocab" / "bert-base-uncased-vocab.txt")
-    duolm.save(GPT2(GPT2Config.preset("gpt2")), folder / "gpt2", tokenizer=bpe, format="hf")
-    duolm.save(BertForPreTraining(BertConfig.preset("bert-base")), folder / "bert", tokenizer=wp, format="hf")
+    small = dict(n_layer=2, n_head=2, n_embd=64) if tiny else {}
+    duolm.save(GPT2(GPT2Config.preset("gpt2", **small)), folder / "gpt2", tokenizer=bpe, format="hf")
+    duolm.save(BertForPreTraining(BertConfig.preset("bert-base", **small, **({"n_inner": 256} if tiny else {}))),
+               folder / "bert", tokenizer=wp, format="hf")
 
 
 def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, threads: int) -> dict:
@@ -131,6 +134,7 @@ def main():
     ap.add_argument("--bert-sentences", type=int, default=200)
     ap.add_argument("--gpt2-sentences", type=int, default=1000)
     ap.add_argument("--batch", type=int, default=20, help="sentences a minicons call")
+    ap.add_argument("--tiny", action="store_true", help="models of 2 layers 64 wide (the vocabularies as they are)")
     ap.add_argument("--json", help="also write the numbers here")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -139,12 +143,13 @@ def main():
     from duolm.precision import machine
 
     torch.set_num_threads(args.threads)
-    out = {"machine": machine(), "load_start": os.getloadavg()[0], "rounds": args.rounds}
+    out = {"machine": machine(), "load_start": os.getloadavg()[0], "rounds": args.rounds, "tiny": args.tiny}
     print(f"CPU: {out['machine']['cpu']}, {args.threads} threads; load average at start: {out['load_start']:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        models(Path(tmp))
-        for kind, n, what in (("bert", args.bert_sentences, "BERT-base pseudo-log-likelihood (original)"),
-                              ("gpt2", args.gpt2_sentences, "GPT-2 124M log-likelihood")):
+        models(Path(tmp), args.tiny)
+        names = ("tiny BERT", "tiny GPT-2") if args.tiny else ("BERT-base", "GPT-2 124M")
+        for kind, n, what in (("bert", args.bert_sentences, f"{names[0]} pseudo-log-likelihood (original)"),
+                              ("gpt2", args.gpt2_sentences, f"{names[1]} log-likelihood")):
             r = out[kind] = measure(kind, Path(tmp), sentences(n), args.batch, args.rounds, args.threads)
             print(f"{what}, {r['sentences']} BLiMP sentences, median of {args.rounds} rounds: duolm "
                   f"{r['sentences_per_s']['duolm']:.1f} sentences/s, minicons {r['sentences_per_s']['minicons']:.1f}: "

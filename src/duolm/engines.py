@@ -37,7 +37,7 @@ from duolm import kernels
 from duolm.fileio import write_json
 
 FEW_ROWS = 32                                   # KernelLinear's kernel runs up to this many rows
-CACHE = Path.home() / ".cache" / "duolm" / "engines"                   # fp32.json, int8.json
+CACHE = Path.home() / ".cache" / "duolm" / "engines"                   # fp32-<key>.json, int8-<key>.json
 log = logging.getLogger("duolm.engines")
 
 
@@ -226,10 +226,12 @@ def machine_key() -> str:
 
 
 def _choice(kind: str, cache: Path | None) -> dict:
-    """This machine's `kind` engines ({"few", "wide", "times", "key"}): read from `cache` (default CACHE/<kind>.json)
-    where it holds this machine_key(), else timed (time_engines, choose) and written there (a cache that cannot be
-    written is said once and the choice kept for the process)."""
-    path, key = cache or CACHE / f"{kind}.json", machine_key()
+    """This machine's `kind` engines ({"few", "wide", "times", "key"}): read from `cache` (default
+    CACHE/<kind>-<key>.json: processes with other thread counts keep theirs apart) where it holds this machine_key(),
+    else timed (time_engines, choose) and written there (a cache that cannot be written is said once and the choice
+    kept for the process)."""
+    key = machine_key()
+    path = cache or CACHE / f"{kind}-{key}.json"
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
         if kept.get("key") == key and {kept.get("few"), kept.get("wide")} <= set(ORDER[kind][0] + ORDER[kind][1]):

@@ -89,17 +89,27 @@ def _padded(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     return idx.to(device), mask.to(device)
 
 
+def _target_logp(head, h: torch.Tensor, targets: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """log softmax(head(h))[targets] for hidden states h (N, C), the output layer run on `rows` rows at a time: a
+    vocabulary's logits for every position at once would not stay in the CPU's cache (50,257 x 4 bytes a row)."""
+    out = []
+    for i in range(0, len(h), rows):
+        logp = head(h[i:i + rows]).float().log_softmax(-1)          # faster than logsumexp on the CPU
+        out.append(logp.gather(-1, targets[i:i + rows, None])[:, 0])
+    return torch.cat(out) if out else h.new_empty(0)
+
+
 def causal_token_scores(model, rows: list[list[int]], tokens: int = 8192) -> list[list[float]]:
     """Each row (<|endoftext|> t_1 .. t_n) -> [log p(t_i | what precedes it)] for i = 1..n (natural logs)."""
     device = next(model.parameters()).device
     out: list = [None] * len(rows)
     with torch.inference_mode():
         for batch in _batches(rows, tokens):
-            idx, _ = _padded([rows[i] for i in batch], device)       # right padding: causal rows never see it
-            logp = model(idx[:, :-1]).float().log_softmax(-1)
-            got = logp.gather(-1, idx[:, 1:, None])[..., 0]
-            for j, i in enumerate(batch):
-                out[i] = got[j, :len(rows[i]) - 1].tolist()
+            idx, mask = _padded([rows[i] for i in batch], device)   # right padding: causal rows never see it
+            real = mask[:, 1:].bool()                                 # the positions that predict a real token
+            scores = _target_logp(model.head, model.hidden(idx[:, :-1])[real], idx[:, 1:][real])
+            for i, s in zip(batch, scores.split(real.sum(1).tolist())):
+                out[i] = s.tolist()
     return out
 
 
@@ -135,8 +145,7 @@ def pll_token_scores(model, tokenizer, rows: list[list[int]], pll: str = "origin
             hidden, _ = model.bert(idx, attention_mask=mask)
             pos = torch.tensor([copies[k][1][1] for k in batch], device=device)
             target = torch.tensor([rows[copies[k][0]][copies[k][1][1]] for k in batch], device=device)
-            logp = model.mlm(hidden[torch.arange(len(batch), device=device), pos]).float().log_softmax(-1)
-            scores[batch] = logp.gather(-1, target[:, None])[:, 0].cpu()
+            scores[batch] = _target_logp(model.mlm, hidden[torch.arange(len(batch), device=device), pos], target).cpu()
     out: list[list[float]] = [[] for _ in rows]
     for (r, _), s in zip(copies, scores.tolist()):
         out[r].append(s)
