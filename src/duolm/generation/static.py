@@ -171,7 +171,10 @@ class StaticStep:
         for _ in range(calls):
             _sync(self.ids.device)
             start = time.perf_counter()
-            self._run() if self.graph is None else self.graph.replay()
+            if self.graph is None:
+                self._run()
+            else:
+                self.graph.replay()
             _sync(self.ids.device)
             times.append(time.perf_counter() - start)
             for t, saved in zip((self.pos, self.at, self.keys), state):
