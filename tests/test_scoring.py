@@ -165,3 +165,32 @@ def test_pretrain_logs_the_blimp_accuracy_duolm_eval_gives_on_its_checkpoint(dat
     assert [r["step"] for r in rows] == [0, 2]
     main(["eval", str(run), "--task", "blimp", "--data", str(blimp_slice), "--json"])
     assert json.loads(capsys.readouterr().out.splitlines()[-1])["acc"] == rows[-1]["val_blimp_acc"]
+
+
+def test_a_served_bert_scores_text_as_completions_clients_ask(tokenizers):
+    """`duolm serve` of a BERT with its masked-LM head answers POST /v1/completions as clients send it to score text
+    (max_tokens 0, echo, logprobs): through the official openai client, each prompt's tokens and their
+    pseudo-log-likelihood terms as score_sentences gives them; generating text, or an empty prompt, is a 400 naming
+    the field."""
+    import openai
+
+    from duolm.serve import ServeConfig
+    from duolm.serve.app import create_app
+    from test_serve import serving
+
+    _, bert = _models()
+    wp = tokenizers[1]
+    texts = ["The cat sat.", "Unbelievably, it persisted."]
+    want = score_sentences(bert, wp, texts)
+    with serving(create_app(bert, wp, ServeConfig(model_name="tiny-bert"))) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        out = client.completions.create(model="tiny-bert", prompt=texts, max_tokens=0, echo=True, logprobs=0)
+        for choice, w in zip(out.choices, want):
+            assert choice.logprobs.tokens == w["tokens"]
+            assert choice.logprobs.token_logprobs == pytest.approx(w["token_scores"], abs=1e-5)
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-bert", prompt="The cat", max_tokens=5)
+        assert e.value.body["param"] == "max_tokens" and "scores text and writes none" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny-bert", prompt=["fine", " "], max_tokens=0, echo=True)
+        assert e.value.body["message"] == "prompt[1] is empty: there is nothing to score"

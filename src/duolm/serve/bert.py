@@ -1,5 +1,7 @@
-"""BERT's routes: POST /v1/embeddings (OpenAI's, pooled as the checkpoint was trained) and
-POST /v1/fill-mask, their requests run in batches by the encoders.EncoderWorker.
+"""BERT's routes: POST /v1/embeddings (OpenAI's, pooled as the checkpoint was trained), POST /v1/fill-mask and, for a
+BERT with its masked-LM head, POST /v1/completions as clients send it to score text (max_tokens 0, echo, logprobs:
+lm-evaluation-harness's and the openai client's way): each token's pseudo-log-likelihood term. Their requests run in
+batches by the encoders.EncoderWorker.
 
 A route of this kind validates its body, builds its items (tokenizing, in a worker thread) and
 awaits `worker.submit(fn, items)`, fn a batched function items -> results made once per app (jobs for
@@ -9,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import time
+import uuid
 
 from fastapi import APIRouter
 from starlette.concurrency import run_in_threadpool
@@ -17,7 +21,8 @@ from duolm.models import BertForPreTraining
 from duolm.serve.completions import to_id_lists
 from duolm.serve.deps import Served
 from duolm.serve.encoders import embed
-from duolm.serve.schemas import MAX_INPUTS, APIError, EmbeddingRequest, FillMaskRequest
+from duolm.evaluation.scoring import score_sentences
+from duolm.serve.schemas import MAX_INPUTS, APIError, CompletionRequest, EmbeddingRequest, FillMaskRequest
 from duolm.textgen import fill_mask_text
 
 
@@ -87,6 +92,35 @@ def router(s: Served) -> APIRouter:
                     for fillers in masks]}
                 for i, (masks, filled) in enumerate(results)]
         return {"object": "list", "model": s.name, "data": data}
+
+    def pll_fn(texts):
+        return score_sentences(model, tok, texts)
+
+    if mlm:
+        @r.post("/v1/completions", **s.model_route(True, "a BERT model with its masked-LM head"))
+        async def score(body: CompletionRequest):
+            """Scoring text: each prompt's tokens with their pseudo-log-likelihood terms (log p(token | the text with
+            it masked)), as logprobs of an echoed completion of no new tokens."""
+            s.check_model(body.model)
+            texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+            if body.max_tokens != 0 or not body.echo or not all(isinstance(t, str) for t in texts):
+                raise APIError(400, "prompt: a BERT model scores text and writes none: send texts with max_tokens 0 "
+                                    "and echo true", "max_tokens" if body.max_tokens != 0 else "prompt")
+
+            def inputs():          # checked here, so that one bad prompt never fails a batch
+                for i, t in enumerate(texts):
+                    if not t.strip():
+                        raise APIError(400, f"prompt[{i}] is empty: there is nothing to score", "prompt")
+                bert_inputs(texts, tok, cfg.block_size)
+                return texts
+            _, scores = await run_batch(s, pll_fn, inputs)
+            choices = [{"index": i, "text": t, "finish_reason": "length", "logprobs": {
+                "tokens": r["tokens"], "token_logprobs": r["token_scores"], "top_logprobs": None, "text_offset": None}}
+                       for i, (t, r) in enumerate(zip(texts, scores))]
+            n = sum(len(r["tokens"]) + 2 for r in scores)
+            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                    "model": s.name, "choices": choices,
+                    "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
     return r
 
 

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from duolm.models import GPT2
+from duolm.models import GPT2, BertForPreTraining
 from duolm.serve.completions import Completion, encode_prompts, make_rows
 from duolm.serve.deps import Served
 from duolm.serve.schemas import APIError, CompletionRequest
@@ -32,8 +32,11 @@ def _characters(prompt) -> int:
 
 
 def router(s: Served) -> APIRouter:
-    """POST /v1/completions for a GPT2 served with a scheduler.Scheduler; a 400 for any other model."""
+    """POST /v1/completions for a GPT2 served with a scheduler.Scheduler; a 400 for any other model but a BERT with
+    its masked-LM head, which answers it in bert.py (scoring text)."""
     r = APIRouter()
+    if isinstance(s.model, BertForPreTraining):
+        return r
 
     @r.post("/v1/completions", **s.model_route(isinstance(s.model, GPT2), "a GPT-2 language model"))
     async def completions(body: CompletionRequest, request: Request):
