@@ -97,7 +97,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(cmd, url, log_path, env=None, timeout=300):
+def process(cmd, url, log_path, env=None, timeout=1800):     # --compile builds every shape before /health is 200
     """Start a server, wait for GET /health, stop it after."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})

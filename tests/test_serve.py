@@ -495,6 +495,8 @@ def test_compiled_server_answers_12_concurrent_requests_as_each_alone(gpt2):
     model, tok = gpt2
     bodies = [dict(b, logprobs=None, echo=False, presence_penalty=0.0) for b in _invariance_bodies(tok)[:12]]
     with TestClient(create_app(model, tok, ServeConfig(max_concurrency=16, compile=True))) as c:
+        ready(c)
+
         async def together():
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=c.app), base_url="http://t") as ac:
                 return [r.json()["choices"][0]["text"] for r in await asyncio.gather(
@@ -509,6 +511,14 @@ def test_compiled_server_answers_12_concurrent_requests_as_each_alone(gpt2):
             pass
         alone.append(tok.decode([t for t in gen.tokens[0] if t != tok.eot_id]))
     assert texts == alone and compile_s > 0
+
+
+def ready(client, timeout_s: float = 900) -> None:
+    """Wait for a --compile server's warm-up (serve/warmup.py): /health 503 until it is done."""
+    deadline = time.monotonic() + timeout_s
+    while client.get("/health").status_code == 503:
+        assert time.monotonic() < deadline, client.get("/health").json()
+        time.sleep(0.1)
 
 
 def _invariance_bodies(tok):

@@ -4,7 +4,8 @@ In the order they run: 503 while the server drains (SIGTERM), 401 without the AP
 the served model cannot answer (a route of the other family, or of another head), 429 beyond
 max_concurrency + max_queue requests in the server (with Retry-After). create_app puts the first two
 in front of every route but /health (and /metrics, which stays open while draining); a route that puts
-the model to work gets the last two from `Served.model_route`.
+the model to work gets the last two from `Served.model_route`. The 503 also answers while the worker warms up
+(serve --compile).
 """
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ _bearer = HTTPBearer(auto_error=False, description="the server's API key (duolm 
 class Worker(Protocol):
     """The thread that runs the model's work: scheduler.Scheduler (GPT-2 decoding, rows submitted by
     the completions route) or encoders.EncoderWorker (batched BERT and head jobs). Their submit()
-    differs with the work; the app starts and stops them alike, and /metrics reports their stats()."""
+    differs with the work; the app starts and stops them alike, and /metrics reports their stats(). `warming`: None
+    once it serves, else how far its warm-up is (the server answers 503 until then)."""
+
+    warming: str | None
 
     def start(self) -> None: ...
 
@@ -67,12 +71,15 @@ class Served:
 
     # --- dependencies: coroutines, which FastAPI runs on the event loop (a plain function goes through a thread) --
 
-    @staticmethod
-    async def accepting(request: Request) -> None:
-        """503 while the server drains: run() sets app.state.draining on SIGTERM."""
+    async def accepting(self, request: Request) -> None:
+        """503 while the server drains (run() sets app.state.draining on SIGTERM) and while the worker warms up (serve
+        --compile compiles its shapes before the first request: no request waits for a compilation)."""
         if request.app.state.draining:
             raise APIError(503, "the server is shutting down", None, "shutting_down",
                            {"Retry-After": str(RETRY_AFTER_S), "Connection": "close"})
+        if self.worker.warming is not None:
+            raise APIError(503, f"the server is warming up: {self.worker.warming}; GET /health answers 200 when it is "
+                                "ready", None, "warming_up", {"Retry-After": str(RETRY_AFTER_S)})
 
     async def authorized(self, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
         """401 unless the request sends `Authorization: Bearer KEY` (compared in constant time)."""

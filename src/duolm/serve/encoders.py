@@ -50,6 +50,8 @@ class EncoderWorker:
     the jobs collected are grouped by function and each group runs as one call. It is the server's `deps.Worker`
     for BERT."""
 
+    warming = None                       # ready at once: nothing to compile
+
     def __init__(self, window_s: float = 0.005):
         self.window_s = window_s
         self._jobs: queue.Queue = queue.Queue()

@@ -36,7 +36,8 @@ class _Node:
         self.children = {rest.tokens[0]: rest}
 
 
-def _common(a, b) -> int:
+def common(a, b) -> int:
+    """How many leading items a and b share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -65,23 +66,32 @@ class PrefixCache:
         """(m, keys and values (2 * n_layer, n_head, m, head_dim), infos of those m tokens) of the longest cached
         prefix of `tokens`; k: the alternatives each token's log-probability must come with (None: none needed, a
         prefix cached without them serves too)."""
+        pos, parts = self._walk(tokens, k)
+        if not pos:
+            return 0, None, []
+        kv = torch.cat([c.kv[:, :, :n] for c, n in parts], 2) if len(parts) > 1 else parts[0][0].kv[:, :, :pos]
+        infos = [] if k is None else [_top(i, k) for c, n in parts for i in c.infos[:n]]
+        return pos, kv, infos
+
+    def matched(self, tokens: list, k: int | None) -> int:
+        """The length of match(tokens, k)'s prefix (nothing copied)."""
+        return self._walk(tokens, k)[0]
+
+    def _walk(self, tokens: list, k: int | None) -> tuple[int, list]:
+        """-> (m, [(node, how many of its tokens)]) along the longest cached prefix of `tokens`; its nodes used now."""
         node, pos, parts, now = self.root, 0, [], next(self._clock)
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
             if child is None or (k is not None and (child.infos is None or child.k < k)):
                 break
-            n = _common(child.tokens, tokens[pos:])
+            n = common(child.tokens, tokens[pos:])
             child.used = now
             parts.append((child, n))
             pos += n
             if n < len(child.tokens):
                 break
             node = child
-        if not pos:
-            return 0, None, []
-        kv = torch.cat([c.kv[:, :, :n] for c, n in parts], 2) if len(parts) > 1 else parts[0][0].kv[:, :, :pos]
-        infos = [] if k is None else [_top(i, k) for c, n in parts for i in c.infos[:n]]
-        return pos, kv, infos
+        return pos, parts
 
     def count(self, reused: int) -> None:
         """A prompt reused `reused` tokens of the cache (0: a miss)."""
@@ -102,7 +112,7 @@ class PrefixCache:
                 node.children[tokens[pos]] = leaf
                 self.bytes += _size(leaf)
                 break
-            n = _common(child.tokens, tokens[pos:])
+            n = common(child.tokens, tokens[pos:])
             if n < len(child.tokens):
                 child.split(n)
             if infos is not None and (child.infos is None or child.k < k):

@@ -31,7 +31,8 @@ the batch cache's first 1, 2, 4, ... max_batch rows: the step for the smallest b
 first use and rebuilt when the cache grows (its length doubles, up to block_size). The rows beyond the batch are
 computed and ignored. Each joining row is then prefilled through the decoder's compiled one-prompt prefill, at its
 bucketed length (16, 32, ...; a graph replay on GPUs, where an eager forward launches its operations one by one).
-The ids are the eager batch's up to the last bits of the logits.
+The ids are the eager batch's up to the last bits of the logits. Started, a compiling scheduler first builds every
+step and prefill it can meet (warmup.py; `warming` says how far it is), so that no shape is compiled while rows run.
 """
 from __future__ import annotations
 
@@ -44,11 +45,13 @@ import time
 import torch
 
 from duolm.generation.base import device_dtype
-from duolm.generation.static import decoder_of
+from duolm.generation.static import cache_length, decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
+from duolm.serve.prefill import aligned, prefill, waves
 from duolm.serve.prefix import PrefixCache
 from duolm.serve.rows import Row, Sink, padded_groups
+from duolm.serve.warmup import batch_bucket, warm_up
 
 __all__ = ["Row", "Scheduler", "Sink", "padded_groups"]
 
@@ -87,12 +90,13 @@ class Scheduler:
         self._cache: KVCache | None = None   # max_batch rows x cap columns
         self._mask: torch.Tensor | None = None
         self._L = 0
-        self._static = decoder_of(model) if compile and not batch_invariant else None
+        self._static = self.decoder = decoder_of(model) if compile and not batch_invariant else None
+        self.warming = None if self._static is None else "not started"    # compile: the progress until started
         self._steps: dict = {}           # compile: batch bucket -> StaticStep over the current cache's first rows
         self._ids = torch.zeros(2, max_batch, 1, dtype=torch.long, device=self.device)  # compile: ids, positions
         self._at = torch.zeros(1, dtype=torch.long, device=self.device)
         self._thread: threading.Thread | None = None
-        self._stopping = False
+        self.stopping = False
         # eager prefills (joining rows, scoring rows) past a prompt's cached prefix (prefix.py)
         self.prefix = PrefixCache(int(prefix_cache_mb * 2 ** 20)) if prefix_cache_mb > 0 and not batch_invariant \
             else None
@@ -127,14 +131,14 @@ class Scheduler:
             self._cond.notify()
 
     def start(self) -> None:
-        self._stopping = False
+        self.stopping = False
         self._thread = threading.Thread(target=self._loop, name="duolm-decode", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float | None = None) -> None:
         """End the loop after the current step; rows still running or waiting end "cancelled"."""
         with self._cond:
-            self._stopping = True
+            self.stopping = True
             self._cond.notify()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -143,10 +147,12 @@ class Scheduler:
         self._rows, self._waiting = [], collections.deque()
 
     def _loop(self) -> None:
-        while not self._stopping:
+        if self.warming is not None:
+            warm_up(self)
+        while not self.stopping:
             if not self.step():
                 with self._cond:
-                    if not self._waiting and not self._stopping:
+                    if not self._waiting and not self.stopping:
                         self._cond.wait(0.1)
 
     def step(self) -> bool:
@@ -172,8 +178,8 @@ class Scheduler:
         for fn, todo, budget in ((self._join, joining, JOIN_TOKENS if together else 0),
                                  (self._score, scoring, SCORE_TOKENS)):
             for group in padded_groups([len(r.prompt) for r in todo], budget):
-                rows = [todo[i] for i in group]
-                self._guard(rows, fn, rows, first)
+                for rows in waves([todo[i] for i in group], self.prefix):    # a shared prefix computed once
+                    self._guard(rows, fn, rows, first)
         first = [(r, h) for r, h in first if not r.finished]       # (a group that failed after its prefill: ended)
         if first:
             self._guard([r for r, _ in first], self._draw, first)
@@ -241,7 +247,7 @@ class Scheduler:
             return
         if not self.batch_invariant:          # eager, together, past the prefixes cached
             try:
-                cache, found, h = self._prefill(rows)
+                cache, found, h = prefill(self.model, self.prefix, rows)
             except Exception:
                 if len(rows) == 1:
                     raise
@@ -253,7 +259,7 @@ class Scheduler:
                     if self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)]
             if kept:
                 M = max(u for u, _, _ in found)         # where the cached prefixes end
-                self._insert([rows[j] for j in kept], *self._aligned(cache, M, [(j, rows[j], found[j][0]) for j in kept]))
+                self._insert([rows[j] for j in kept], *aligned(cache, M, [(j, rows[j], found[j][0]) for j in kept]))
             return
         row, cfg = rows[0], self.model.config         # batch_invariant: one row, alone in the cache it keeps
         cache = KVCache(cfg, 1, max_len=min(cfg.block_size, len(row.prompt) + max(row.max_tokens, 1) - 1),
@@ -297,63 +303,12 @@ class Scheduler:
             row.n = len(row.prompt)
         self._rows.extend(rows)
 
-    def _prefill(self, rows: list[Row]):
-        """One forward over the rows' prompts past the prefix each finds cached -> (the cache: row j's u_j cached
-        positions end at column M, its P_j - u_j new ones follow, right-padded; [(u_j, the infos of its first u_j + 1
-        tokens, its prompt's keys and values for the prefix cache or None)]; the hidden states (J, S, C) of the new
-        positions). A row asking for its prompt's log-probabilities reuses one position less than it finds: the state
-        before its first new token is computed."""
-        found, block = [], self.model.config.block_size
-        for r in rows:
-            need = (r.logprobs or 0) if r.prompt_logprobs else None
-            m, kv, infos = (0, None, []) if self.prefix is None else self.prefix.match(r.prompt, need)
-            found.append((max(0, min(m - (need is not None), len(r.prompt) - 1)), kv, infos))
-        S = max(len(r.prompt) - u for r, (u, _, _) in zip(rows, found))
-        if max(u for u, _, _ in found) + S > block:        # the cache's columns fit the window: reuse less
-            found = [(min(u, block - S), kv, infos) for u, kv, infos in found]
-        found = [(u, kv, infos[:u + 1] if u else [None]) for u, kv, infos in found]
-        for u, _, _ in found if self.prefix is not None else ():
-            self.prefix.count(u)
-        J, M = len(rows), max(u for u, _, _ in found)
-        cache = KVCache(self.model.config, J, max_len=M + S, device=self.device, dtype=self.dtype)
-        idx = torch.zeros(J, S, dtype=torch.long, device=self.device)
-        real = torch.zeros(J, M + S, dtype=torch.bool, device=self.device)
-        for buf in cache.k + cache.v:        # padding columns are read (with weight 0): keep them finite
-            buf[:, :, :M].zero_()
-        for j, (r, (u, kv, _)) in enumerate(zip(rows, found)):
-            for i, buf in enumerate(cache.k + cache.v):
-                buf[j, :, M - u:M] = kv[i, :, :u] if u else 0
-            idx[j, :len(r.prompt) - u] = torch.tensor(r.prompt[u:])
-            real[j, M - u:M + len(r.prompt) - u] = True
-        cache.length = M
-        h = self.model.hidden(idx, None if all(u == M for u, _, _ in found) else real, cache)
-        out = [(u, known, None if self.prefix is None else
-                torch.stack([b[j, :, M - u:M + len(r.prompt) - u] for b in cache.k + cache.v]))
-               for j, (r, (u, _, known)) in enumerate(zip(rows, found))]
-        return cache, out, h
-
-    def _aligned(self, cache: KVCache, M: int, kept: list):
-        """The keys and values of _prefill's rows kept, [(its row in the cache, Row, u)], right-aligned for _insert:
-        per layer (J, n_head, T, head_dim), and which columns are each row's (J, T) (None: all)."""
-        T = max(len(r.prompt) for _, r, _ in kept)
-        keys, values = [], []
-        for src, dst in ((cache.k, keys), (cache.v, values)):
-            for buf in src:
-                new = buf.new_zeros(len(kept), buf.shape[1], T, buf.shape[3])
-                for j, (k, r, u) in enumerate(kept):
-                    new[j, :, T - len(r.prompt):] = buf[k, :, M - u:M + len(r.prompt) - u]
-                dst.append(new)
-        real = torch.zeros(len(kept), T, dtype=torch.bool, device=self.device)
-        for j, (_, r, _) in enumerate(kept):
-            real[j, T - len(r.prompt):] = True
-        return keys, values, None if bool(real.all()) else real
-
     def _score(self, rows: list[Row], first: list) -> None:
         """Rows that draw at most one token: one forward over their prompts past their cached prefixes, right-padded;
         the states before each one's token appended to `first`."""
         rows = [r for r in rows if self._admit(r)]
         if rows:
-            cache, found, h = self._prefill(rows)
+            cache, found, h = prefill(self.model, self.prefix, rows)
             for j, (row, (u, known, kv)) in enumerate(zip(rows, found)):
                 self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)
 
@@ -440,11 +395,23 @@ class Scheduler:
         positions (each row's real tokens) written in, the new column L."""
         self._ids[:, :B].copy_(torch.tensor([[[r.tokens[-1]] for r in self._rows], [[r.n] for r in self._rows]]))
         self._at.fill_(L)
-        Bb = min(self.max_batch, 1 << (B - 1).bit_length())
+        Bb = batch_bucket(B, self.max_batch)
         if Bb not in self._steps:               # built over column L, which this step writes anyway
-            self._steps[Bb] = self._static.bind(self._rows_view(Bb), self._ids[0, :Bb], self._ids[1, :Bb],
-                                                self._at, self._mask[:Bb])
+            self.bind_step(Bb)
         return self._steps[Bb].step()[:B]
+
+    def bind_step(self, batch: int, length: int | None = None) -> None:
+        """The static step over the batch cache's first `batch` rows, built (length: first (re)allocate the empty
+        batch's cache at that many columns; warmup.py)."""
+        if length is not None and (self._cache is None or self._cache.max_len != length):
+            self._cache = None
+            self._realign(length - 1)
+        self._steps[batch] = self._static.bind(self._rows_view(batch), self._ids[0, :batch], self._ids[1, :batch],
+                                               self._at, self._mask[:batch])
+
+    def forget_steps(self) -> None:
+        """Drop the batch cache and its steps (warmup.py's, before any row joined)."""
+        self._cache, self._mask, self._steps, self._L = None, None, {}, 0
 
     def _leave(self, gone: list) -> None:
         """Remove the (finished) rows at slots `gone`; the rows after the new end move into the holes."""
@@ -481,7 +448,7 @@ class Scheduler:
         old = self._cache
         cap = 0 if old is None else old.max_len
         if new_L + 1 > cap:
-            cap = min(cfg.block_size, max(new_L + 1, 2 * cap, 64))
+            cap = cache_length(max(new_L + 1, 2 * cap), cfg.block_size)     # 64, 128, ...: warmup.py's lengths
             new = KVCache(cfg, self.max_batch, max_len=cap, device=self.device, dtype=self.dtype)
             for buf in new.k + new.v:   # padding columns are read (with weight 0): keep them finite
                 buf.zero_()

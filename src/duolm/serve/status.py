@@ -1,4 +1,5 @@
-"""The routes every server answers, whatever its model: GET /health (open, for load balancers),
+"""The routes every server answers, whatever its model: GET /health (open, for load balancers; 503 until the model
+is ready and while draining),
 GET /metrics (Prometheus' text format, or JSON; open while draining, to watch the drain) and GET /v1/models (OpenAI's model list: the
 one model's card)."""
 from __future__ import annotations
@@ -17,9 +18,12 @@ def router(s: Served) -> APIRouter:
 
     @r.get("/health")
     async def health(request: Request):
-        """200 {"status": "ok"}, or 503 {"status": "draining"} after SIGTERM."""
+        """200 {"status": "ok"}; 503 {"status": "draining"} after SIGTERM, {"status": "warming up", "detail": how far}
+        while the worker compiles its shapes (serve --compile: warmup.py)."""
         if request.app.state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        if s.worker.warming is not None:
+            return JSONResponse({"status": "warming up", "detail": s.worker.warming}, status_code=503)
         return {"status": "ok"}
 
     @r.get("/metrics", dependencies=[Depends(s.authorized)])
