@@ -365,7 +365,7 @@ def test_every_subcommand_fails_cleanly_on_bad_input(models, tmp_path, capsys):
         (["convert", empty, tmp_path / "o"], [empty / "config.json"]),
         (["convert", bin_dir, tmp_path / "o"], [bin_dir / "pytorch_model.bin", "refused as unsafe"]),
         (["convert", bad_run, tmp_path / "o"], [bad_run / "checkpoint.json", "outside"]),
-        (["convert", models / "gpt2", tmp_path / "o", "--to", "onnx"], ["--to"]),
+        (["convert", models / "gpt2", tmp_path / "o", "--to", "tf"], ["--to"]),
         (["prepare", latin1, "--tokenizer", models / "gpt2", "-o", tmp_path / "p"], [latin1, "UTF-8"]),
         (["prepare", missing, "--tokenizer", models / "gpt2", "-o", tmp_path / "p"], [missing]),
         (["prepare", latin1, "--tokenizer", missing, "-o", tmp_path / "p"], [missing]),

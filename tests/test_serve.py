@@ -1327,8 +1327,8 @@ def test_embedding_limits(bert_client, bert):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     r = bert_client.post("/v1/embeddings", json={"input": ["x"] * 2049})
     assert r.status_code == 400 and "2048" in r.json()["error"]["message"]
-    r = bert_client.post("/v1/completions", json={"prompt": "x"})
-    assert r.status_code == 400 and r.json()["error"]["code"] == "model_family_mismatch"
+    r = bert_client.post("/v1/completions", json={"prompt": "x"})          # a BERT scores text, writes none
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_fill_mask_equals_library(bert_client, bert):
@@ -1351,6 +1351,8 @@ def test_fill_mask_needs_the_mlm_head(bert):
         r = c.post("/v1/fill-mask", json={"input": "a [MASK]"})
         assert r.status_code == 400 and "masked-LM head" in r.json()["error"]["message"]
         assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 200
+        r = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 0, "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_family_mismatch"
 
 
 def test_text_stream_is_the_reference_for_stop_strings():

@@ -20,9 +20,14 @@ from duolm.serve.app import create_app  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# one valid body per request schema, holding every nested object the schema can hold
+# valid bodies of each request schema (one, or a list where nested objects exclude each other), holding every nested
+# object the schema can hold
 VALID = {
-    "CompletionRequest": {"prompt": "hi", "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}},
+    "CompletionRequest": [
+        {"prompt": "hi", "max_tokens": 1, "stream": True, "stream_options": {"include_usage": True}},
+        {"prompt": "hi", "max_tokens": 1, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object"}}}},
+        {"prompt": "hi", "max_tokens": 1, "structured_outputs": {"choice": ["a", "b"]}}],
     "TokenizeRequest": {"prompt": "hi"},
     "DetokenizeRequest": {"tokens": [1, 2]},
     "EmbeddingRequest": {"input": "hi"},
@@ -92,6 +97,8 @@ def objects(name: str, components: dict, body: dict, where: tuple = ()):
     yield where, name, body
     for field, prop in components[name]["properties"].items():
         value = body.get(field)
+        if not refs(prop):                  # a free-form dict (a JSON schema) is a value, not a nested request object
+            continue
         found = ([(k, v) for k, v in enumerate(value) if isinstance(v, dict)][:1] if isinstance(value, list)
                  else [(None, value)] if isinstance(value, dict) else [])
         for k, obj in found:
@@ -119,17 +126,17 @@ def test_every_field_of_every_request_is_named_when_wrong(clients):
     walked = set()
     for path, (client, schema, components) in routes(clients).items():
         assert schema in VALID, f"{path} takes a {schema}: add a valid body for it to VALID"
-        body = VALID[schema]
-        assert client.post(path, json=body).status_code == 200, (path, body)
-        for where, name, obj in objects(schema, components, body):
-            walked.add(name)
-            for field in components[name]["properties"]:
-                top = where[0] if where else field
-                for kind in wrong(components[name], field):
-                    r = client.post(path, json=with_case(body, where, field, kind))
-                    err = r.json()["error"]
-                    assert r.status_code == 400 and err["param"] == top, (path, where, field, kind, r.text)
-                    assert err["message"].startswith(top) and field in err["message"], (path, field, kind, err)
+        for body in VALID[schema] if isinstance(VALID[schema], list) else [VALID[schema]]:
+            assert client.post(path, json=body).status_code == 200, (path, body)
+            for where, name, obj in objects(schema, components, body):
+                walked.add(name)
+                for field in components[name]["properties"]:
+                    top = where[0] if where else field
+                    for kind in wrong(components[name], field):
+                        r = client.post(path, json=with_case(body, where, field, kind))
+                        err = r.json()["error"]
+                        assert r.status_code == 400 and err["param"] == top, (path, where, field, kind, r.text)
+                        assert err["message"].startswith(top) and field in err["message"], (path, field, kind, err)
     models = {c.__name__ for c in vars(schemas).values()
               if isinstance(c, type) and issubclass(c, BaseModel) and c.__module__ == schemas.__name__
               and not c.__name__.startswith("_")}

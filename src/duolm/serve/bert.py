@@ -93,35 +93,42 @@ def router(s: Served) -> APIRouter:
                 for i, (masks, filled) in enumerate(results)]
         return {"object": "list", "model": s.name, "data": data}
 
+    if mlm:
+        score_route(r, s)
+    return r
+
+
+def score_route(r: APIRouter, s: Served) -> None:
+    """POST /v1/completions on a BERT with its masked-LM head, as clients send it to score text."""
+    model, tok, cfg = s.model, s.tokenizer, s.model.config
+
     def pll_fn(texts):
         return score_sentences(model, tok, texts)
 
-    if mlm:
-        @r.post("/v1/completions", **s.model_route(True, "a BERT model with its masked-LM head"))
-        async def score(body: CompletionRequest):
-            """Scoring text: each prompt's tokens with their pseudo-log-likelihood terms (log p(token | the text with
-            it masked)), as logprobs of an echoed completion of no new tokens."""
-            s.check_model(body.model)
-            texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-            if body.max_tokens != 0 or not body.echo or not all(isinstance(t, str) for t in texts):
-                raise APIError(400, "prompt: a BERT model scores text and writes none: send texts with max_tokens 0 "
-                                    "and echo true", "max_tokens" if body.max_tokens != 0 else "prompt")
+    @r.post("/v1/completions", **s.model_route(True, "a BERT model with its masked-LM head"))
+    async def score(body: CompletionRequest):
+        """Scoring text: each prompt's tokens with their pseudo-log-likelihood terms (log p(token | the text with
+        it masked)), as logprobs of an echoed completion of no new tokens."""
+        s.check_model(body.model)
+        texts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if body.max_tokens != 0 or not body.echo or not all(isinstance(t, str) for t in texts):
+            raise APIError(400, "prompt: a BERT model scores text and writes none: send texts with max_tokens 0 "
+                                "and echo true", "max_tokens" if body.max_tokens != 0 else "prompt")
 
-            def inputs():          # checked here, so that one bad prompt never fails a batch
-                for i, t in enumerate(texts):
-                    if not t.strip():
-                        raise APIError(400, f"prompt[{i}] is empty: there is nothing to score", "prompt")
-                bert_inputs(texts, tok, cfg.block_size)
-                return texts
-            _, scores = await run_batch(s, pll_fn, inputs)
-            choices = [{"index": i, "text": t, "finish_reason": "length", "logprobs": {
-                "tokens": r["tokens"], "token_logprobs": r["token_scores"], "top_logprobs": None, "text_offset": None}}
-                       for i, (t, r) in enumerate(zip(texts, scores))]
-            n = sum(len(r["tokens"]) + 2 for r in scores)
-            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": s.name, "choices": choices,
-                    "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
-    return r
+        def inputs():          # checked here, so that one bad prompt never fails a batch
+            for i, t in enumerate(texts):
+                if not t.strip():
+                    raise APIError(400, f"prompt[{i}] is empty: there is nothing to score", "prompt")
+            bert_inputs(texts, tok, cfg.block_size)
+            return texts
+        _, scores = await run_batch(s, pll_fn, inputs)
+        choices = [{"index": i, "text": t, "finish_reason": "length", "logprobs": {
+            "tokens": r["tokens"], "token_logprobs": r["token_scores"], "top_logprobs": None, "text_offset": None}}
+                   for i, (t, r) in enumerate(zip(texts, scores))]
+        n = sum(len(r["tokens"]) + 2 for r in scores)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": s.name, "choices": choices,
+                "usage": {"prompt_tokens": n, "completion_tokens": 0, "total_tokens": n}}
 
 
 def bert_inputs(value, tokenizer, limit: int | None) -> list:
