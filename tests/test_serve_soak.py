@@ -3,7 +3,7 @@ longer version): 600 requests from 32 clients to a server with --max-concurrency
 ~20% left by their client at a random point, ~10% malformed, ~5% slow clients that send part of a request and
 then nothing (408 after the 2 s --header-timeout / --body-timeout); capacity 8 + 24 waiting, so a 429 comes only
 while a left request still holds its place. Only 200 / 400 / 408 / 413 / 429 come back; afterwards
-/health is ok, nothing is in flight or running, the server's RSS grew less than 5% past a warm-up and its open
+/health is ok, nothing is in flight or running, the server's RSS grew less than 10% past a warm-up and its open
 file descriptors are back to their count then, and every complete answer equals the same request sent alone.
 The same for BERT's routes (embeddings, a fine-tuned head), on each fp32 engine this CPU runs (duolm.precision's
 fp32_choice() forced in the server's process): oneDNN builds a kernel for every shape it meets, and the memory stays
@@ -46,7 +46,9 @@ def _soak(model_dir, goods, log, prelude=""):
           f"file descriptors {fds_before} -> {fds_after}")
     assert fig.requests == N and set(fig.statuses) <= {200, 400, 408, 413, 429, "left"}, fig.statuses
     assert (metrics["in_flight"], metrics["running"], metrics["queue_depth"]) == (0, 0, 0), metrics
-    assert rss_after < 1.05 * rss_before, (rss_before, rss_after)
+    # 10%: with oneDNN's kernels capped, BERT servers on the shared 2-core VM grew +0.5% to +7.0% (2026-12-06: +0.5%,
+    # +2.8%, +4.3% in one run, +7.0% in another); uncapped, the failure this guards against, +20% (391.6 -> 469.4 MiB)
+    assert rss_after < 1.10 * rss_before, (rss_before, rss_after)
     assert fds_after <= fds_before, (fds_before, fds_after)
     slow = sum(o.job.slow for o in outcomes)
     timeouts = sum(metrics[k] - before[k] for k in ("header_timeouts", "body_timeouts"))
