@@ -8,7 +8,8 @@ random weights and inputs at 1, 8 and 32 rows (decoding) and 512 (a prompt, an e
   * fp32: the engines of duolm.engines.candidates(): F.linear (MKL), oneDNN on the weight packed by pack_onednn and
     on the plain weight, duolm's kernel (kernels.pack_fp32 + fp32_linear); and inductor's CPU GEMM: torch.compile of
     a module holding the weights, mode="max-autotune", freezing on, under torch.no_grad() (compile seconds apart);
-  * int8 (dynamic activations, per-row int8 weights): duolm.precision.Int8Linear (duolm's VNNI kernel where it runs);
+  * int8 (dynamic activations, per-row int8 weights): duolm.precision.Int8Linear (on the int8 engines timed here:
+    duolm's VNNI kernel where it runs); the same formula on torch._int_mm (duolm.engines.int8_mm, the other engine);
     torchao's Int8DynamicActivationInt8WeightConfig, eager and compiled (default mode, freezing on); torchao's int8
     weight-only; int4 weight-only where torchao has a CPU layout (Int4WeightOnlyConfig, else the prototype CPU one;
     each skip printed with why). All on fp32 activations, as duolm's decoding feeds them.
@@ -98,6 +99,10 @@ def torchao_module(weights, widths, config) -> Products:
 
 def int8_candidates(weights, widths, skipped: dict) -> dict:
     out = {DUOLM["int8"]: (Products([Int8Linear(w, None) for w in weights], widths), 1)}
+    prepare, run = engines.candidates("int8")["torch"]             # the other int8 engine duolm.engines times
+    forms = [prepare(w) for w in weights]
+    step = lambda x, h: [run(x if k == x.shape[-1] else h, f) for f, k in zip(forms, widths)]   # noqa: E731
+    out["torch._int_mm (int8_mm)"] = (step, 1)
     try:
         import torchao
         from torchao.quantization import (Int4WeightOnlyConfig, Int8DynamicActivationInt8WeightConfig,
