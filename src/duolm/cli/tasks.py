@@ -228,11 +228,13 @@ def cmd_score(args):
 
 
 def add_score(sub):
+    from duolm.evaluation.scoring import PLL
+
     p = sub.add_parser("score", help="each sentence's log-likelihood (GPT-2) or pseudo-log-likelihood (BERT), in nats")
     p.add_argument("model", help="model directory (duolm, Hugging Face, or a training run); BERT with its MLM head")
     p.add_argument("--text", action="append", help="a sentence (repeatable)")
     p.add_argument("--file", help="a text file, one sentence a line")
-    p.add_argument("--pll", choices=["original", "within-word-l2r"], default="original",
+    p.add_argument("--pll", choices=PLL, default="original",
                    help="BERT: mask one token a copy, or also the pieces of its word to its right")
     p.add_argument("--tokens", action="store_true", help="also each token's log-probability")
     p.add_argument("--json", action="store_true", help="one JSON object a sentence")

@@ -18,6 +18,7 @@ from duolm.evaluation import readers
 from duolm.evaluation.detok import detokenize, detokenize_words
 from duolm.evaluation.perplexity import (bits_per_unit, count_words, encode_stream, perplexity,
                                          score_stream, token_nll)
+from duolm.evaluation.scoring import PLL
 from duolm.models.gpt2 import KVCache
 
 Progress = Callable[[int, "int | None", dict], None]   # (done, total or None, running metrics)
@@ -40,7 +41,7 @@ class EvalOptions:
     direction: str = field(default="en-fr", metadata={"help": "translate: direction", "choices": ["en-fr", "fr-en"]})
     pll: str = field(default="original", metadata={
         "help": "blimp with a BERT model: the pseudo-log-likelihood (original: one token masked a copy; "
-                "within-word-l2r: also the pieces of its word to its right)", "choices": ["original", "within-word-l2r"]})
+                "within-word-l2r: also the pieces of its word to its right)", "choices": list(PLL)})
     compile: bool = field(default=False, metadata={
         "help": "coqa, summarize, translate: decode through the static-shape step compiled with torch.compile (a "
                 "CUDA graph on GPUs; no faster on the CPU); the scoring forwards stay eager"})
