@@ -1,9 +1,10 @@
-"""duolm.kernels: the fp32 product of a few rows against F.linear, the AVX512-VNNI int8 product against its formula
+"""duolm.kernels: the fp32 product of a few rows against F.linear, the int8 product against its formula
 in torch ops (int8_reference(): the same u8, exact sums), both at GPT-2's shapes and at widths that are no multiple of
 their blocks; KernelLinear and Int8Linear running them on the row counts they are for; an int8 row's result the same
 in any batch; torch.compile over models that hold them; their build (a killed build that stops nobody, two builds at
-once, a built library loaded quietly) and the fallback where they do not build. On a CPU without
-AVX-512 (fp32) or AVX512-VNNI (int8) they do not run, and the tests that run them say so as they skip."""
+once, a built library loaded quietly) and the fallback where they do not build. They run on every CPU where torch
+dispatches AVX2 or AVX-512 (int8 under AVX-512: with VNNI), built for that set; elsewhere (another architecture) the
+tests that run them say so as they skip."""
 from __future__ import annotations
 
 import copy
@@ -26,10 +27,11 @@ from duolm import engines, kernels
 from duolm import precision
 from duolm.precision import KERNEL_ROWS, Int8Linear, KernelLinear, int8_rows
 
-vnni = pytest.mark.skipif("duolm" not in engines.candidates("int8"), reason="this CPU lacks AVX512-VNNI: duolm.kernels'"
-                          " int8 kernel does not run here (Int8Linear runs torch._int_mm, tests/test_precision.py)")
-fp32 = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: duolm.kernels' fp32 kernel does not "
-                          "run here (PackedLinear or F.linear, tests/test_precision.py)")
+vnni = pytest.mark.skipif("duolm" not in engines.candidates("int8"), reason="duolm.kernels' int8 kernel does not run "
+                          "on this CPU (AVX2, or AVX-512 with VNNI; Int8Linear runs torch._int_mm: test_precision.py)")
+fp32 = pytest.mark.skipif(not kernels.ready(), reason="duolm.kernels do not run on this CPU (AVX2 or AVX-512): "
+                          "PackedLinear or F.linear run (tests/test_precision.py)")
+AVX512 = "avx512f avx512bw avx512vl avx512dq"                # what torch's AVX-512 kernels need of a CPU
 
 
 def _weights(n, k, bias=True):
@@ -108,14 +110,21 @@ def test_compile_calls_the_kernel_as_an_operator():
     assert torch.equal(got, want)
 
 
-def test_without_avx512_or_without_a_compiler_torchs_kernels_run(monkeypatch):
-    """A CPU without AVX-512 never builds the kernels (one without VNNI runs no int8 kernel); where there is no
-    compiler a warning says so once, and an Int8Linear for which duolm's kernel was chosen (a choice kept on disk
-    before the compiler went) runs torch's engine."""
-    assert not kernels.available("avx2 fma") and not kernels.int8_supported("avx512f avx512bw")
+def test_the_set_torch_dispatches_decides_and_without_a_compiler_torchs_kernels_run(monkeypatch):
+    """The kernels are built for the instruction set torch dispatches (AVX2: its int8 kernel too; AVX-512: int8 with
+    VNNI only), for a CPU that has it, on no other; where there is no compiler a warning says so once, and an
+    Int8Linear for which duolm's kernel was chosen (a choice kept on disk before the compiler went) runs torch's
+    engine."""
+    for capability, flags, fp32_runs, int8_runs in [("AVX2", "avx2 fma", True, True), ("AVX2", "avx2", False, False),
+                                                    ("AVX512", AVX512, True, False),
+                                                    ("AVX512", AVX512 + " avx512_vnni", True, True),
+                                                    ("DEFAULT", AVX512 + " avx2 fma", False, False)]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        assert (kernels.supported(flags), kernels.int8_supported(flags)) == (fp32_runs, int8_runs), capability
+    assert kernels.layout() == (16, 4)
     monkeypatch.setattr(kernels, "COMPILERS", ("duolm-no-such-compiler",))
     _avx512(monkeypatch)
-    flags = "avx512f avx512bw avx512_vnni (a CPU of this test)"
+    flags = AVX512 + " avx512_vnni (a CPU of this test)"
     with pytest.warns(RuntimeWarning, match="did not build .*no C\\+\\+ compiler") as warned:
         assert not kernels.available(flags)
     assert len(warned) == 1
@@ -127,7 +136,7 @@ def test_without_avx512_or_without_a_compiler_torchs_kernels_run(monkeypatch):
 
 
 def _avx512(monkeypatch):
-    """kernels.supported() true for flags with avx512f on any machine (for the tests that load nothing)."""
+    """kernels.supported() true for flags with AVX512 on any machine (for the tests that load nothing)."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
 
@@ -162,15 +171,15 @@ def test_a_build_that_fails_warns_once_and_torchs_kernels_run(case, tmp_path, mo
         cache = tmp_path / "a file" / "cache"                  # root writes past a chmod, not under a file
     _avx512(monkeypatch)
     with pytest.warns(RuntimeWarning, match=f"did not build \\({match}") as warned:
-        assert not kernels.available(f"avx512f ({case})", cache)
+        assert not kernels.available(f"{AVX512} ({case})", cache)
     assert len(warned) == 1
     assert not cache.is_dir() or list(cache.iterdir()) == []
 
 
 # ---- the build, in processes of their own: a library loads into a process once ---------------------------------
 
-builds = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512 (or this machine a C++ compiler): "
-                            "duolm.kernels does not build here")
+builds = pytest.mark.skipif(not kernels.ready(), reason="duolm.kernels do not build here (neither AVX2 nor AVX-512, or "
+                            "no C++ compiler)")
 
 LOAD = """
 import sys, torch, torch.nn.functional as F
@@ -310,8 +319,8 @@ def test_kernel_linear_runs_the_kernel_up_to_kernel_rows(monkeypatch):
 
 # ---- one-query attention ---------------------------------------------------------------------------------------
 
-attention = pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: duolm.kernels' attention does "
-                               "not run here (the static step's formula in torch ops and SDPA run instead)")
+attention = pytest.mark.skipif(not kernels.ready(), reason="duolm.kernels' attention does not run on this CPU (AVX2 "
+                               "or AVX-512): the static step's formula in torch ops and SDPA run instead")
 
 
 @attention

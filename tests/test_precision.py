@@ -48,7 +48,7 @@ def onednn(monkeypatch):
     monkeypatch.setattr(precision_module, "fp32_choice", lambda: {"few": "onednn", "wide": "onednn"})
 
 
-# the int8 engines that run here: torch._int_mm everywhere, duolm.kernels' kernel where the CPU has AVX512-VNNI
+# the int8 engines that run here: torch._int_mm everywhere, duolm.kernels' kernel where it builds (AVX2, AVX512-VNNI)
 INT8_ENGINES = list(engines.candidates("int8"))
 
 

@@ -185,7 +185,7 @@ def test_compiled_step_gives_the_eager_ids_and_compiles_once(ahead, monkeypatch)
     assert (dec.built, built()) == (1, after)
 
 
-@pytest.mark.skipif(not kernels.ready(), reason="this CPU lacks AVX-512: KernelLinear's kernel does not run here")
+@pytest.mark.skipif(not kernels.ready(), reason="duolm.kernels do not run on this CPU (AVX2 or AVX-512): no KernelLinear")
 def test_ahead_of_time_steps_serve_ranges_of_batches(monkeypatch):
     """AOTInductor's steps of KernelLinear's model (fp32_choice() forced to "duolm"): batch 1 a package of its own;
     batch 3 one whose batch is dynamic up to KERNEL_ROWS (KernelLinear runs F.linear above it: export bounds the

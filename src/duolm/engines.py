@@ -2,10 +2,10 @@
 and kept on disk (as cuDNN's benchmark mode chooses, but kept: every process on a machine reads the same choice, so a
 resumed run, an evaluation and a server compute the same numbers bit for bit). The candidates:
 
-    fp32  "duolm"   duolm.kernels' fp32 kernel on a weight packed for it (where the kernels build: AVX-512)
+    fp32  "duolm"   duolm.kernels' fp32 kernel on a weight packed for it (where the kernels build: AVX2, AVX-512)
           "onednn"  oneDNN's matmul (torch.ops.mkldnn) on a weight packed into its blocked layout, or on the plain one
           "mkl"     PyTorch's F.linear (MKL's sgemm on x86)
-    int8  "duolm"   duolm.kernels' int8 kernel on int8 rows packed for it (AVX512-VNNI)
+    int8  "duolm"   duolm.kernels' int8 kernel on int8 rows packed for it (AVX2, or AVX-512 with VNNI)
           "torch"   int8_mm: the same formula around torch._int_mm (oneDNN's int8 GEMM on x86; exact int32 sums)
 
     fp32_choice()   # {"few": "duolm", "wide": "onednn", "times": {...}, "key": ...}: the engine for products of up to
@@ -169,10 +169,12 @@ def candidates(kind: str = "fp32") -> dict:
     return out
 
 
-def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5) -> dict:
-    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`) for the `kind` candidates, on
-    weights of 4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from memory, as decoding
-    a real model streams them."""
+def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5,
+                 budget: float = 2.0) -> dict:
+    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`, fewer where they pass `budget`
+    seconds: an engine far slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind`
+    candidates, on weights of 4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from
+    memory, as decoding a real model streams them."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(4096, 4096, generator=g) * 0.02 for _ in range(max(1, megabytes // 64))]
     times: dict = {}
@@ -182,12 +184,14 @@ def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, rep
             for m in rows:
                 x = torch.randn(m, 4096, generator=g)
                 run(x, forms[0])                                        # a first call builds oneDNN's kernel
-                best = float("inf")
+                best, began = float("inf"), time.perf_counter()
                 for _ in range(repeats):
                     start = time.perf_counter()
                     for f in forms:
                         run(x, f)
                     best = min(best, time.perf_counter() - start)
+                    if time.perf_counter() - began > budget:
+                        break
                 times.setdefault(name, {})[m] = best
             del forms
     return times

@@ -1,53 +1,93 @@
-// duolm's CPU kernels for decoding (duolm/kernels.py builds and loads this file). Two are products of a few rows
-// x (M, K) fp32 with a weight W (N, K) packed in blocks of 16 outputs, each block's column streamed once for all the rows (up to 8 at a
-// time), two blocks a step, the next lines prefetched: decoding reads every weight once a token.
-//   fp32_linear: y = x W^T + b, fp32 sums (the dot products in k's order). AVX-512F.
+// duolm's CPU kernels for decoding (duolm/kernels.py builds and loads this file), written once with ATen's portable
+// vectors (at::vec::Vectorized<float>: L = 16 floats under AVX-512, 8 under AVX2) and built for the instruction set
+// torch dispatches on the CPU at hand (kernels.py: -DCPU_CAPABILITY=AVX512 or AVX2 and that set's -m flags). Two are
+// products of a few rows x (M, K) fp32 with a weight W (N, K) packed in blocks of L outputs, each block's column
+// streamed once for all the rows (up to CHUNK at a time), two blocks a step, the next lines prefetched: decoding reads
+// every weight once a token.
+//   fp32_linear: y = x W^T + b, fp32 sums (the dot products in k's order).
 //   int8_linear: W int8 rows with a scale each; each row of x quantized on its own,
 //     u8[m, k] = round((x[m, k] - lo[m]) * (255 / span[m])),  lo, span = the row's min and max - min (at least 1e-30),
 //     y[m, n]  = acc[m, n] * (span[m] / 255) * scale[n] + lo[m] * row_sums[n] + b[n],
-//   acc the exact int32 sum over k of u8 * W, row_sums[n] the sum over k of W * scale. AVX512-VNNI (vpdpbusd: four
-//   u8 x s8 pairs a 32-bit lane), compiled for it alone (the target attribute): the file loads on any AVX-512 CPU.
-// Layouts (kernels.pack_fp32, kernels.pack_int8): fp32 [N/16][K][16], int8 [N/16][K/4][16][4], zero-padded.
+//   acc the exact int32 sum over k of u8 * W, summed G inputs at a time by the one instruction that differs between
+//   the sets (dot() below): AVX512-VNNI's vpdpbusd (G = 4 u8 x s8 pairs a 32-bit lane; compiled for VNNI alone, the
+//   target attribute, so that the file loads on any AVX-512 CPU) or AVX2's vpmaddwd (G = 2, both widened to 16 bits).
+// Layouts (kernels.pack_fp32, kernels.pack_int8): fp32 [N/L][K][L], int8 [N/L][K/G][L][G], zero-padded.
 // The third, one_query_attention, is one query a row over a KV cache, reading only the columns its mask shows.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 #include <immintrin.h>
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t AHEAD = 24;     // lines prefetched ahead on each weight stream
-constexpr int64_t PF = 16;        // rows of keys and values prefetched ahead (attention)
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t L = Vec::size();           // floats a vector
+constexpr int CHUNK = L == 16 ? 8 : 4;       // rows a tile keeps in registers (32 vector registers, or 16)
+constexpr int64_t AHEAD = 1536;              // bytes prefetched ahead on each weight stream
+constexpr int64_t PF = 16;                   // rows of keys and values prefetched ahead (attention)
 
-__mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+#if defined(CPU_CAPABILITY_AVX512)
+#define INT8 __attribute__((target("avx512f,avx512bw,avx512vnni")))
+constexpr int64_t G = 4;
+using IVec = __m512i;
+inline IVec izero() { return _mm512_setzero_si512(); }
+// acc + the G-term dot products of the word a (G u8) with each of the L outputs' G int8 weights at w
+INT8 inline IVec dot(IVec acc, int32_t a, const int8_t* w) {
+  return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(a), _mm512_loadu_si512(w));
+}
+inline Vec to_float(IVec a) { return Vec(_mm512_cvtepi32_ps(a)); }
+#else
+#define INT8
+constexpr int64_t G = 2;
+using IVec = __m256i;
+inline IVec izero() { return _mm256_setzero_si256(); }
+inline IVec dot(IVec acc, int32_t a, const int8_t* w) {       // a: two u8 as 16-bit halves
+  const __m256i w16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_set1_epi32(a), w16));
+}
+inline Vec to_float(IVec a) { return Vec(_mm256_cvtepi32_ps(a)); }
+#endif
+
+void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 template <int R> using Rows = std::integral_constant<int, R>;
 
-// tile(p, m0, Rows<mr>) for every pair p of 16-output blocks (split between the threads) and chunk of mr <= 8 rows
-// from m0, mr a compile-time constant (the tile's accumulators stay in registers); a chunk's rows lie interleaved
-// ([chunk][k][row] floats, [chunk][k / 4][row] 4-byte words).
+// f(Rows<r>{}) for 1 <= r <= CHUNK: the row count a compile-time constant (a tile's accumulators stay in registers)
+template <int R = 1, class F>
+void with_rows(int64_t r, F f) {
+  if constexpr (R < CHUNK) {
+    if (r != R) return with_rows<R + 1>(r, f);
+  }
+  f(Rows<R>{});
+}
+
+// tile(p, m0, Rows<mr>) for every pair p of L-output blocks (split between the threads) and chunk of mr <= CHUNK rows
+// from m0; a chunk's rows lie interleaved ([chunk][k][row] floats, [chunk][k / G][row] 4-byte words).
 template <class F>
 void for_tiles(int64_t M, int64_t NB, F tile) {
   at::parallel_for(0, (NB + 1) / 2, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 1: tile(p, m0, Rows<1>{}); break;
-          case 2: tile(p, m0, Rows<2>{}); break;
-          case 3: tile(p, m0, Rows<3>{}); break;
-          case 4: tile(p, m0, Rows<4>{}); break;
-          case 5: tile(p, m0, Rows<5>{}); break;
-          case 6: tile(p, m0, Rows<6>{}); break;
-          case 7: tile(p, m0, Rows<7>{}); break;
-          default: tile(p, m0, Rows<8>{});
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += CHUNK)
+        with_rows(std::min<int64_t>(CHUNK, M - m0), [&](auto mr) { tile(p, m0, mr); });
   });
+}
+
+// The outputs n0 .. n0 + 2L of a tile's MR rows: y[i, n] = value(i, j) + b[n], j the block, partial at N.
+template <int MR, class F>
+void store_tile(int64_t n0, int64_t N, const float* bp, float* y, F value) {
+  for (int j = 0; j < 2 && n0 + L * j < N; ++j) {
+    const int64_t n = n0 + L * j, count = std::min<int64_t>(L, N - n);
+    const Vec b = bp ? Vec::loadu(bp + n, count) : Vec(0.0f);
+    for (int i = 0; i < MR; ++i) (value(i, j, n, count) + b).store(y + i * N + n, count);
+  }
 }
 
 // ---- fp32 ------------------------------------------------------------------------------------------------------
@@ -55,183 +95,156 @@ void for_tiles(int64_t M, int64_t NB, F tile) {
 template <int MR>
 void fp32_tile(const float* __restrict xt, int64_t K, const float* __restrict w0, const float* __restrict w1,
                int64_t n0, int64_t N, const float* bp, float* __restrict y) {
-  __m512 acc0[MR], acc1[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  Vec acc[2][MR];
+  for (int i = 0; i < MR; ++i) acc[0][i] = acc[1][i] = Vec(0.0f);
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (k + AHEAD) * 16), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (k + AHEAD) * 16), _MM_HINT_T0);
-    const __m512 b0 = _mm512_loadu_ps(w0 + k * 16), b1 = _mm512_loadu_ps(w1 + k * 16);
-#pragma GCC unroll 8
+    prefetch(w0 + k * L + AHEAD / 4);
+    prefetch(w1 + k * L + AHEAD / 4);
+    const Vec b0 = Vec::loadu(w0 + k * L), b1 = Vec::loadu(w1 + k * L);
     for (int i = 0; i < MR; ++i) {
-      const __m512 a = _mm512_set1_ps(xt[k * MR + i]);
-      acc0[i] = _mm512_fmadd_ps(a, b0, acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(a, b1, acc1[i]);
+      const Vec a(xt[k * MR + i]);
+      acc[0][i] = at::vec::fmadd(a, b0, acc[0][i]);
+      acc[1][i] = at::vec::fmadd(a, b1, acc[1][i]);
     }
   }
-  for (int j = 0; j < 2 && n0 + 16 * j < N; ++j) {
-    const int64_t n = n0 + 16 * j;
-    const __mmask16 keep = lanes(N - n);
-    const __m512 b = bp ? _mm512_maskz_loadu_ps(keep, bp + n) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * N + n, keep, _mm512_add_ps(j ? acc1[i] : acc0[i], b));
+  store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t, int64_t) { return acc[j][i]; });
+}
+
+// x (M, K) as a (..., K) tensor's rows -> their chunks interleaved for the tiles, `per` values of T a step of k:
+// chunk c holds rows c*CHUNK .. as [k][row]
+template <class T>
+at::Tensor interleave(const T* x, int64_t M, int64_t K, const at::TensorOptions& options) {
+  auto out = at::empty({(M + CHUNK - 1) / CHUNK * CHUNK * K * static_cast<int64_t>(sizeof(T))}, options.dtype(at::kByte));
+  T* dst = reinterpret_cast<T*>(out.data_ptr<uint8_t>());
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t mr = std::min<int64_t>(CHUNK, M - m / CHUNK * CHUNK), i = m % CHUNK;
+    T* chunk = dst + m / CHUNK * CHUNK * K;
+    for (int64_t k = 0; k < K; ++k) chunk[k * mr + i] = x[m * K + k];
   }
+  return out;
+}
+
+// x's rows (any leading shape, K last) and y's shape (x's leading shape, N last)
+std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return shape;
 }
 
 at::Tensor fp32_linear(const at::Tensor& x_, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
                        int64_t N) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "fp32_linear: x (M, K) fp32");
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.size(2) == 16,
-              "fp32_linear: a weight packed by kernels.pack_fp32");
+  TORCH_CHECK(x_.dim() >= 1 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "fp32_linear: x (..., K) fp32");
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kFloat && packed.is_contiguous() && packed.size(2) == L,
+              "fp32_linear: a weight packed by kernels.pack_fp32 for ", L, " floats a vector");
   auto x = x_.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
-  TORCH_CHECK(K > 0 && packed.size(1) == K && NB == (N + 15) / 16, "fp32_linear: x's width or N does not match the "
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, NB = packed.size(0);
+  TORCH_CHECK(K > 0 && packed.size(1) == K && NB == (N + L - 1) / L, "fp32_linear: x's width or N does not match the "
               "packed weight");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "fp32_linear: N fp32 biases");
-  auto xt = at::empty({(M + 7) / 8 * 8 * K}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* tp = xt.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t mr = std::min<int64_t>(8, M - m / 8 * 8), i = m % 8;
-    float* dst = tp + m / 8 * 8 * K;
-    for (int64_t k = 0; k < K; ++k) dst[k * mr + i] = xp[m * K + k];
-  }
-  auto y = at::empty({M, N}, x.options());
+  auto xt = interleave(x.data_ptr<float>(), M, K, x.options());
+  auto y = at::empty(out_shape(x, N), x.options());
+  const float* tp = reinterpret_cast<const float*>(xt.data_ptr<uint8_t>());
   float* yp = y.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   for_tiles(M, NB, [&](int64_t p, int64_t m0, auto mr) {
-    const float* w0 = wp + 2 * p * K * 16;
-    const float* w1 = 2 * p + 1 < NB ? w0 + K * 16 : w0;
-    fp32_tile<decltype(mr)::value>(tp + m0 * K, K, w0, w1, 32 * p, N, bp, yp + m0 * N);
+    const float* w0 = wp + 2 * p * K * L;
+    const float* w1 = 2 * p + 1 < NB ? w0 + K * L : w0;
+    fp32_tile<decltype(mr)::value>(tp + m0 * K, K, w0, w1, 2 * L * p, N, bp, yp + m0 * N);
   });
   return y;
 }
 
 // ---- int8 ------------------------------------------------------------------------------------------------------
 
-#define VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
-
 template <int MR>
-VNNI void int8_tile(const int32_t* __restrict xq, int64_t KG, const int8_t* __restrict w0,
+INT8 void int8_tile(const int32_t* __restrict xq, int64_t KG, const int8_t* __restrict w0,
                     const int8_t* __restrict w1, int64_t n0, int64_t N, const float* lo, const float* step,
                     const float* sp, const float* rs, const float* bp, float* __restrict y) {
-  __m512i acc0[MR], acc1[MR];
-#pragma GCC unroll 8
-  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm512_setzero_si512();
+  IVec acc[2][MR];
+  for (int i = 0; i < MR; ++i) acc[0][i] = acc[1][i] = izero();
   for (int64_t g = 0; g < KG; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(w0 + (g + AHEAD) * 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(w1 + (g + AHEAD) * 64), _MM_HINT_T0);
-    const __m512i b0 = _mm512_loadu_si512(w0 + g * 64), b1 = _mm512_loadu_si512(w1 + g * 64);
-#pragma GCC unroll 8
+    prefetch(w0 + g * L * G + AHEAD);
+    prefetch(w1 + g * L * G + AHEAD);
     for (int i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(xq[g * MR + i]);
-      acc0[i] = _mm512_dpbusd_epi32(acc0[i], a, b0);
-      acc1[i] = _mm512_dpbusd_epi32(acc1[i], a, b1);
+      acc[0][i] = dot(acc[0][i], xq[g * MR + i], w0 + g * L * G);
+      acc[1][i] = dot(acc[1][i], xq[g * MR + i], w1 + g * L * G);
     }
   }
-  for (int j = 0; j < 2 && n0 + 16 * j < N; ++j) {
-    const int64_t n = n0 + 16 * j;
-    const __mmask16 keep = lanes(N - n);
-    const __m512 s = _mm512_maskz_loadu_ps(keep, sp + n), r = _mm512_maskz_loadu_ps(keep, rs + n);
-    const __m512 b = bp ? _mm512_maskz_loadu_ps(keep, bp + n) : _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int i = 0; i < MR; ++i) {
-      const __m512 base = _mm512_fmadd_ps(_mm512_set1_ps(lo[i]), r, b);
-      const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(j ? acc1[i] : acc0[i]),
-                                       _mm512_mul_ps(_mm512_set1_ps(step[i]), s), base);
-      _mm512_mask_storeu_ps(y + i * N + n, keep, v);
-    }
-  }
+  store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t n, int64_t count) {
+    return at::vec::fmadd(to_float(acc[j][i]), Vec(step[i]) * Vec::loadu(sp + n, count),
+                          Vec(lo[i]) * Vec::loadu(rs + n, count));
+  });
 }
 
-// Row r of x (K floats) -> its u8 (4 KG bytes, the padding left 0), lo and step = span / 255.
-VNNI void quantize_row(const float* r, int64_t K, uint8_t* out, float* lo, float* step) {
-  const int64_t tail = K % 16;
-  const __mmask16 last = lanes(tail);
-  __m512 vl = _mm512_set1_ps(FLT_MAX), vh = _mm512_set1_ps(-FLT_MAX);
+// Row r of x (K floats) -> its words (G u8 each: 4 bytes under VNNI, 2 as 16-bit halves under AVX2; the padding 0),
+// lo and step = span / 255. The u8 rounded to nearest even, as torch.round.
+void quantize_row(const float* r, int64_t K, int32_t* words, float* lo, float* step) {
+  Vec vl(FLT_MAX), vh(-FLT_MAX);
   int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 v = _mm512_loadu_ps(r + k);
-    vl = _mm512_min_ps(vl, v);
-    vh = _mm512_max_ps(vh, v);
+  for (; k + L <= K; k += L) {
+    const Vec v = Vec::loadu(r + k);
+    vl = at::vec::minimum(vl, v);
+    vh = at::vec::maximum(vh, v);
   }
-  if (tail) {
-    const __m512 v = _mm512_maskz_loadu_ps(last, r + k);
-    vl = _mm512_mask_min_ps(vl, last, vl, v);
-    vh = _mm512_mask_max_ps(vh, last, vh, v);
-  }
-  const float l = _mm512_reduce_min_ps(vl), h = _mm512_reduce_max_ps(vh);
+  float l = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::minimum(a, b); }, vl);
+  float h = at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return at::vec::maximum(a, b); }, vh);
+  for (; k < K; ++k) l = std::min(l, r[k]), h = std::max(h, r[k]);
   const float span = std::max(h - l, 1e-30f), inv = 255.0f / span;     // a constant row: every u8 0, 255 / span finite
   *lo = l;
   *step = span / 255.0f;
-  const __m512 ml = _mm512_set1_ps(l), mi = _mm512_set1_ps(inv);
-  for (k = 0; k + 16 <= K; k += 16)       // round to nearest even (the default MXCSR), saturated to [0, 255]
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k),
-                     _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(r + k), ml), mi))));
-  if (tail)
-    _mm512_mask_cvtusepi32_storeu_epi8(out + k, last,
-        _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(last, r + k), ml), mi)));
+  std::vector<float> u((K + L + G - 1) / L * L + G, 0.0f);
+  for (k = 0; k < K; k += L) {
+    const int64_t count = std::min<int64_t>(L, K - k);
+    ((Vec::loadu(r + k, count) - Vec(l)) * Vec(inv)).round().store(u.data() + k, count);
+  }
+  for (int64_t g = 0; g * G < K; ++g) {
+    uint8_t b[4] = {0, 0, 0, 0};
+    for (int64_t j = 0; j < G && g * G + j < K; ++j) b[j] = static_cast<uint8_t>(std::clamp(u[g * G + j], 0.0f, 255.0f));
+    words[g] = G == 4 ? static_cast<int32_t>(b[0] | b[1] << 8 | b[2] << 16 | static_cast<uint32_t>(b[3]) << 24)
+                      : static_cast<int32_t>(b[0] | b[1] << 16);
+  }
 }
 
-VNNI at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scale,
-                            const at::Tensor& row_sums, const c10::optional<at::Tensor>& bias, int64_t N) {
-  TORCH_CHECK(x_.dim() == 2 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "int8_linear: x (M, K) fp32");
+at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& row_sums, const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x_.dim() >= 1 && x_.scalar_type() == at::kFloat && x_.device().is_cpu(), "int8_linear: x (..., K) fp32");
   TORCH_CHECK(packed.dim() == 4 && packed.scalar_type() == at::kChar && packed.is_contiguous() &&
-              packed.size(2) == 16 && packed.size(3) == 4, "int8_linear: a weight packed by kernels.pack_int8");
+              packed.size(2) == L && packed.size(3) == G, "int8_linear: a weight packed by kernels.pack_int8 in blocks "
+              "of ", L, " x ", G);
   auto x = x_.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KG = packed.size(1);
-  TORCH_CHECK(K > 0 && KG == (K + 3) / 4 && NB == (N + 15) / 16, "int8_linear: x's width or N does not match the "
-              "packed weight");
+  const int64_t K = x.size(-1), M = K ? x.numel() / K : 0, NB = packed.size(0), KG = packed.size(1);
+  TORCH_CHECK(K > 0 && KG == (K + G - 1) / G && NB == (N + L - 1) / L, "int8_linear: x's width or N does not match "
+              "the packed weight");
   for (const at::Tensor* v : {&scale, &row_sums})
     TORCH_CHECK(v->scalar_type() == at::kFloat && v->is_contiguous() && v->numel() == N,
                 "int8_linear: N fp32 scales and row sums");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "int8_linear: N fp32 biases");
-  auto xq = at::empty({(M + 7) / 8 * 8 * KG * 4}, x.options().dtype(at::kByte));
+  std::vector<int32_t> words(M * KG);
   std::vector<float> lo(M), step(M);
-  std::vector<uint8_t> row(KG * 4, 0);
   const float* xp = x.data_ptr<float>();
-  uint8_t* qp = xq.data_ptr<uint8_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(xp + m * K, K, row.data(), &lo[m], &step[m]);
-    const int64_t mr = std::min<int64_t>(8, M - m / 8 * 8), i = m % 8;
-    int32_t* dst = reinterpret_cast<int32_t*>(qp + m / 8 * 8 * KG * 4);
-    const int32_t* src = reinterpret_cast<const int32_t*>(row.data());
-    for (int64_t g = 0; g < KG; ++g) dst[g * mr + i] = src[g];
-  }
-  auto y = at::empty({M, N}, x.options());
+  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, words.data() + m * KG, &lo[m], &step[m]);
+  auto xq = interleave(words.data(), M, KG, x.options());
+  auto y = at::empty(out_shape(x, N), x.options());
+  const int32_t* qp = reinterpret_cast<const int32_t*>(xq.data_ptr<uint8_t>());
   float* yp = y.data_ptr<float>();
   const int8_t* wp = packed.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  const float* rs = row_sums.data_ptr<float>();
+  const float *sp = scale.data_ptr<float>(), *rs = row_sums.data_ptr<float>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   for_tiles(M, NB, [&](int64_t p, int64_t m0, auto mr) {
-    const int8_t* w0 = wp + 2 * p * KG * 64;
-    const int8_t* w1 = 2 * p + 1 < NB ? w0 + KG * 64 : w0;
-    int8_tile<decltype(mr)::value>(reinterpret_cast<const int32_t*>(qp + m0 * KG * 4), KG, w0, w1, 32 * p, N,
-                                   lo.data() + m0, step.data() + m0, sp, rs, bp, yp + m0 * N);
+    const int8_t* w0 = wp + 2 * p * KG * L * G;
+    const int8_t* w1 = 2 * p + 1 < NB ? w0 + KG * L * G : w0;
+    int8_tile<decltype(mr)::value>(qp + m0 * KG, KG, w0, w1, 2 * L * p, N, lo.data() + m0, step.data() + m0, sp, rs,
+                                   bp, yp + m0 * N);
   });
   return y;
 }
 
 // ---- one-query attention ---------------------------------------------------------------------------------------
 
-// exp(x) for x <= 0 (clamped at -87.3, where expf reaches FLT_MIN): 2^n p(r), n = round(x log2(e)), r = x - n ln(2)
-// in two parts, p Cephes' expf polynomial (within 2 ulp of expf).
-__m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+float sum_of(Vec v) { return at::vec::vec_reduce_all<float>([](Vec a, Vec b) { return a + b; }, v); }
 
 // softmax(q k^T / sqrt(D) under mask) v for one query a row: q (B, H, 1, D), k and v (B, H, L, D), mask bool
 // (B or 1, 1, 1, L) or none -> (B, H, 1, D). Each (row, head) reads only the keys and values of the columns its mask
@@ -242,12 +255,12 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
   for (const at::Tensor* t : {&q, &k, &v})
     TORCH_CHECK(t->dim() == 4 && t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(3) == 1,
                 "one_query_attention: q, k, v 4-D fp32, each row of head_dim contiguous");
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), L = k.size(2);
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(3), T = k.size(2);
   TORCH_CHECK(q.size(2) == 1 && k.sizes() == v.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
               "one_query_attention: q (B, H, 1, D), k and v (B, H, L, D)");
   TORCH_CHECK(!mask.has_value() || (mask->dim() == 4 && mask->scalar_type() == at::kBool &&
               (mask->size(0) == B || mask->size(0) == 1) && mask->size(1) == 1 && mask->size(2) == 1 &&
-              mask->size(3) == L), "one_query_attention: mask bool (B or 1, 1, 1, L)");
+              mask->size(3) == T), "one_query_attention: mask bool (B or 1, 1, 1, L)");
   auto y = at::empty({B, H, 1, D}, q.options());
   const float scale = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
   const bool* mp = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
@@ -255,8 +268,8 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(L + 16);
-    std::vector<int64_t> cols(L);
+    std::vector<float> s(T + L);
+    std::vector<int64_t> cols(T);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H;
       const float* qr = qp + b * q.stride(0) + h * q.stride(1);
@@ -265,19 +278,18 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
       float* out = yp + t * D;
       int64_t n = 0;
       float top = -INFINITY;
-      for (int64_t j = 0; j < L; ++j) {
+      for (int64_t j = 0; j < T; ++j) {
         if (mp && !mp[b * mb + j * mj]) continue;
         for (int64_t d = 0; d < D; d += 16) {
-          _mm_prefetch(reinterpret_cast<const char*>(kr + (j + PF) * k.stride(2) + d), _MM_HINT_T0);
+          prefetch(kr + (j + PF) * k.stride(2) + d);
           _mm_prefetch(reinterpret_cast<const char*>(vr + (j + PF) * v.stride(2) + d), _MM_HINT_T1);
         }
-        __m512 dot = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 keep = lanes(D - d);
-          dot = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(keep, qr + d),
-                                _mm512_maskz_loadu_ps(keep, kr + j * k.stride(2) + d), dot);
+        Vec dot(0.0f);
+        for (int64_t d = 0; d < D; d += L) {
+          const int64_t count = std::min<int64_t>(L, D - d);
+          dot = at::vec::fmadd(Vec::loadu(qr + d, count), Vec::loadu(kr + j * k.stride(2) + d, count), dot);
         }
-        s[n] = _mm512_reduce_add_ps(dot) * scale;
+        s[n] = sum_of(dot) * scale;
         top = std::max(top, s[n]);
         cols[n++] = j;
       }
@@ -285,22 +297,20 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
         std::fill(out, out + D, NAN);
         continue;
       }
-      __m512 sum = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 keep = lanes(n - i);
-        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s.data() + i), _mm512_set1_ps(top)));
-        _mm512_mask_storeu_ps(s.data() + i, keep, e);
-        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(keep, e));
+      Vec sum(0.0f);
+      for (int64_t i = 0; i < n; i += L) {
+        const int64_t count = std::min<int64_t>(L, n - i);
+        (Vec::loadu(s.data() + i, count) - Vec(top)).exp().store(s.data() + i, count);
+        sum = sum + Vec::loadu(s.data() + i, count);              // (the lanes past count load as 0)
       }
-      const float total = _mm512_reduce_add_ps(sum);
+      const float total = sum_of(sum);
       std::fill(out, out + D, 0.0f);
       for (int64_t i = 0; i < n; ++i) {
-        const __m512 w = _mm512_set1_ps(s[i] / total);
+        const Vec w(s[i] / total);
         const float* row = vr + cols[i] * v.stride(2);
-        for (int64_t d = 0; d < D; d += 16) {
-          const __mmask16 keep = lanes(D - d);
-          _mm512_mask_storeu_ps(out + d, keep, _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(keep, row + d),
-                                                               _mm512_maskz_loadu_ps(keep, out + d)));
+        for (int64_t d = 0; d < D; d += L) {
+          const int64_t count = std::min<int64_t>(L, D - d);
+          at::vec::fmadd(w, Vec::loadu(row + d, count), Vec::loadu(out + d, count)).store(out + d, count);
         }
       }
     }

@@ -1,8 +1,10 @@
 """duolm's CPU kernels for decoding, kernels.cpp: products of the few rows decoding multiplies (a token of each
 sequence), each weight packed once so that one pass over it serves every row, its next lines prefetched, and one
-query's attention over a KV cache. Where the CPU has AVX-512 (available(); ready() on this CPU) duolm.precision's
-KernelLinear and Int8Linear run the products, its KernelAttention GPT-2's decoding attention (swapped in by quantize).
-Each is an operator (duolm_cpu::...) with a shape function, which compiled graphs call as it is.
+query's attention over a KV cache. One source, written with ATen's portable vectors, built for the instruction set
+torch dispatches here (ISAS: AVX-512 or AVX2; LANES floats a vector); where it builds (available(); ready() on this
+CPU) duolm.precision's KernelLinear and Int8Linear may run the products (duolm.engines times them against the
+libraries), its KernelAttention GPT-2's decoding attention (swapped in by quantize). Each is an operator
+(duolm_cpu::...) with a shape function, which compiled graphs call as it is.
 
 The build: the first process that needs the kernels on a machine compiles kernels.cpp into a shared library with one
 run of the C++ compiler (~15 s; a line on stderr says what was built, where and in how long), into a cache folder
@@ -17,9 +19,9 @@ torch's kernels instead.
 
 fp32_linear(x, pack_fp32(W), b) = x W^T + b in fp32 (the sums in k's order: F.linear's numbers to float rounding).
 
-int8_linear (AVX512-VNNI CPUs: int8_supported()): for x (M, K) fp32 and W ~= q * scale (int8 rows with a scale each,
-duolm.precision.int8_rows), each row of x is mapped onto 0..255 by its own min lo and span = max - min (at least
-1e-30: a constant row's u8 are all 0), and the int8 sums come back through the same affine map:
+int8_linear (int8_supported(): AVX2, or AVX-512 with VNNI): for x (M, K) fp32 and W ~= q * scale (int8 rows with a
+scale each, duolm.precision.int8_rows), each row of x is mapped onto 0..255 by its own min lo and span = max - min (at
+least 1e-30: a constant row's u8 are all 0), and the int8 sums come back through the same affine map:
 
     u8[m, k] = round((x[m, k] - lo[m]) * (255 / span[m]))
     y[m, n]  = (sum_k u8[m, k] q[n, k]) * (span[m] / 255) * scale[n] + lo[m] * row_sums[n] + b[n]
@@ -53,7 +55,12 @@ CACHE = Path.home() / ".cache" / "duolm" / "kernels"
 COMPILERS = ("g++", "c++")                              # the first of these on PATH builds the kernels
 TIMEOUT = 300.0                                         # seconds a compiler's run may take (~20 s on 2 cores)
 STALE = 3600.0                                          # a temporary file this old is a killed build's
-_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp"]     # -fopenmp: at::parallel_for's threads; int8's own target: VNNI
+_FLAGS = ["-O3", "-fopenmp"]                          # -fopenmp: at::parallel_for's threads
+# torch's CPU capability -> the CPU flags it needs, the build's flags (as ATen builds its kernels of that set; int8's
+# VNNI is a target of its own in kernels.cpp), the floats a vector and the int8 inputs an instruction sums a lane
+ISAS = {"AVX512": ({"avx512f", "avx512bw", "avx512vl", "avx512dq"},
+                   ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"], 16, 4),
+        "AVX2": ({"avx2", "fma"}, ["-mavx2", "-mfma", "-mf16c"], 8, 2)}
 _log = logging.getLogger("duolm.kernels")
 
 
@@ -67,16 +74,26 @@ def cpuinfo(field: str) -> str | None:
         return None
 
 
+def isa() -> str | None:
+    """The instruction set the kernels are built for here: torch's CPU capability where ISAS has it (on x86-64:
+    "AVX512", or "AVX2", also where ATEN_CPU_CAPABILITY holds torch to it), else None."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return capability if capability in ISAS and platform.machine().lower() in ("x86_64", "amd64") else None
+
+
 def supported(flags: str) -> bool:
-    """Whether a CPU with these /proc/cpuinfo `flags` runs the kernels: x86-64 with AVX-512F, and torch dispatching
-    its AVX-512 kernels (not held to AVX2 by ATEN_CPU_CAPABILITY)."""
-    return (platform.machine().lower() in ("x86_64", "amd64") and "avx512f" in flags.split()
-            and torch.backends.cpu.get_cpu_capability().startswith("AVX512"))
+    """Whether a CPU with these /proc/cpuinfo `flags` runs the kernels: isa() is one and the CPU has its features."""
+    return isa() is not None and ISAS[isa()][0] <= set(flags.split())
 
 
 def int8_supported(flags: str) -> bool:
-    """Whether int8_linear runs too: AVX512-BW and AVX512-VNNI besides."""
-    return supported(flags) and {"avx512bw", "avx512_vnni"} <= set(flags.split())
+    """Whether int8_linear runs too: under AVX-512 the CPU needs AVX512-VNNI besides."""
+    return supported(flags) and (isa() != "AVX512" or "avx512_vnni" in flags.split())
+
+
+def layout() -> tuple[int, int]:
+    """(floats a vector, int8 inputs summed a lane) of the build here: the packs' blocks (16, 4) or (8, 2)."""
+    return ISAS[isa() or "AVX512"][2:]
 
 
 def build(cache: Path = CACHE, timeout: float = TIMEOUT) -> Path:
@@ -88,7 +105,9 @@ def build(cache: Path = CACHE, timeout: float = TIMEOUT) -> Path:
         raise RuntimeError(f"no C++ compiler: none of {', '.join(COMPILERS)} on PATH")
     lib = Path(torch.__file__).parent / "lib"                  # c10 and torch_cpu: the operators' registry
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}"     # std::string as torch's
-    flags = ["-std=c++17", *_FLAGS, "-fPIC", "-shared", abi, *(f"-I{p}" for p in include_paths()), str(SOURCE),
+    name = isa()
+    flags = ["-std=c++17", *_FLAGS, *ISAS[name][1], f"-DCPU_CAPABILITY={name}", f"-DCPU_CAPABILITY_{name}", "-fPIC",
+             "-shared", abi, *(f"-I{p}" for p in include_paths()), str(SOURCE),
              f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
     key = hashlib.sha256(SOURCE.read_bytes())
     key.update("\0".join([torch.__version__, *flags, _run([cxx, "--version"], timeout).stdout]).encode())
@@ -145,9 +164,9 @@ def available(flags: str, cache: Path = CACHE) -> bool:
         warnings.warn(f"duolm.kernels: duolm's CPU kernels did not build ({type(e).__name__}: {e}); torch's kernels "
                       "run instead", RuntimeWarning, stacklevel=3)
         return False
-    torch.library.register_fake("duolm_cpu::fp32_linear")(lambda x, packed, bias, n: x.new_empty(x.shape[0], n))
+    torch.library.register_fake("duolm_cpu::fp32_linear")(lambda x, packed, bias, n: x.new_empty(*x.shape[:-1], n))
     torch.library.register_fake("duolm_cpu::int8_linear")(
-        lambda x, packed, scale, row_sums, bias, n: x.new_empty(x.shape[0], n))
+        lambda x, packed, scale, row_sums, bias, n: x.new_empty(*x.shape[:-1], n))
     torch.library.register_fake("duolm_cpu::one_query_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
     return True
 
@@ -158,41 +177,42 @@ def ready() -> bool:
     return available(cpuinfo("flags") or "")
 
 
-def pack_fp32(w: torch.Tensor) -> torch.Tensor:
-    """fp32_linear's layout of W (N, K): blocks of 16 rows, each column of a block contiguous, [N/16][K][16].
+def pack_fp32(w: torch.Tensor, lanes: int | None = None) -> torch.Tensor:
+    """fp32_linear's layout of W (N, K): blocks of `lanes` rows (layout()'s here), each column of a block contiguous,
+    [N/lanes][K][lanes].
 
-    >>> pack_fp32(torch.arange(6.0).view(3, 2))[0, :, :4].tolist()
+    >>> pack_fp32(torch.arange(6.0).view(3, 2), lanes=4)[0].tolist()
     [[0.0, 2.0, 4.0, 0.0], [1.0, 3.0, 5.0, 0.0]]
     """
     n, k = w.shape
-    nb = -(-n // 16)
-    return F.pad(w.detach().float(), (0, 0, 0, 16 * nb - n)).view(nb, 16, k).permute(0, 2, 1).contiguous()
+    lanes = lanes or layout()[0]
+    nb = -(-n // lanes)
+    return F.pad(w.detach().float(), (0, 0, 0, lanes * nb - n)).view(nb, lanes, k).permute(0, 2, 1).contiguous()
 
 
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """int8_linear's layout of int8 rows q (N, K): blocks of 16 rows and 4 columns, [N/16][K/4][16][4].
+def pack_int8(q: torch.Tensor, lanes: int | None = None, group: int | None = None) -> torch.Tensor:
+    """int8_linear's layout of int8 rows q (N, K): blocks of `lanes` rows and `group` columns (layout()'s here),
+    [N/lanes][K/group][lanes][group].
 
-    >>> pack_int8(torch.arange(8, dtype=torch.int8).view(2, 4))[0, 0, :3].tolist()
-    [[0, 1, 2, 3], [4, 5, 6, 7], [0, 0, 0, 0]]
+    >>> pack_int8(torch.arange(8, dtype=torch.int8).view(2, 4), lanes=4, group=2)[0].tolist()
+    [[[0, 1], [4, 5], [0, 0], [0, 0]], [[2, 3], [6, 7], [0, 0], [0, 0]]]
     """
     n, k = q.shape
-    nb, kg = -(-n // 16), -(-k // 4)
-    padded = F.pad(q, (0, 4 * kg - k, 0, 16 * nb - n))
-    return padded.view(nb, 16, kg, 4).permute(0, 2, 1, 3).contiguous()
+    lanes, group = lanes or layout()[0], group or layout()[1]
+    nb, kg = -(-n // lanes), -(-k // group)
+    padded = F.pad(q, (0, group * kg - k, 0, lanes * nb - n))
+    return padded.view(nb, lanes, kg, group).permute(0, 2, 1, 3).contiguous()
 
 
 def fp32_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
     """x (..., K) @ W^T + b -> (..., n) on pack_fp32(W) (available() first)."""
-    y = torch.ops.duolm_cpu.fp32_linear(x.reshape(-1, x.shape[-1]), packed, bias, n)
-    return y.view(*x.shape[:-1], n)
+    return torch.ops.duolm_cpu.fp32_linear(x, packed, bias, n)
 
 
 def int8_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., K) -> (..., N) by the int8 formula on pack_int8(q) (int8_supported() and available() first)."""
-    n = scale.shape[0]
-    y = torch.ops.duolm_cpu.int8_linear(x.reshape(-1, x.shape[-1]), packed, scale, row_sums, bias, n)
-    return y.view(*x.shape[:-1], n)
+    return torch.ops.duolm_cpu.int8_linear(x, packed, scale, row_sums, bias, scale.shape[0])
 
 
 def int8_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_sums: torch.Tensor,

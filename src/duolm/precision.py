@@ -20,7 +20,7 @@ swaps the linears, in place, for modules that say what they run:
     each input row quantized to uint8 on the fly by its own min and max, products summed in int32, output fp32:
     every row gets all 256 steps, whatever the other rows hold (an outlier token, padding, another request of the
     batch). The sums on the int8 engines timed on this machine (duolm.engines.int8_choice()): duolm.kernels' int8
-    kernel (AVX512-VNNI) or torch._int_mm (int8_mm), the same integers either way.
+    kernel (AVX2, or AVX-512 with VNNI) or torch._int_mm (int8_mm), the same integers either way.
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
@@ -145,7 +145,8 @@ class KernelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, wide_onednn: bool = False):
         super().__init__()
         if not kernels.ready():                             # the kernels built and loaded (once), or why not
-            raise ValueError("duolm's fp32 kernel does not run on this CPU (AVX-512 and a C++ compiler needed)")
+            raise ValueError("duolm's fp32 kernel does not run on this CPU (AVX2 or AVX-512 and a C++ compiler "
+                             "needed)")
         self.register_buffer("weight", weight.detach())
         self.register_buffer("bias", None if bias is None else bias.detach())
         self.register_buffer("packed", kernels.pack_fp32(weight))
@@ -200,7 +201,8 @@ class Int8Linear(nn.Module):
     """y = x W^T + b with W as int8 rows with a scale each (int8_rows), each row of x mapped onto 0..255 by its own
     min and max and the int32 sums mapped back (duolm.kernels' formula: a row's result is the same whatever the other
     rows hold). The sums by the int8 engines timed on this machine (duolm.engines.int8_choice(): "few" up to
-    KERNEL_ROWS rows, "wide" above): "duolm", duolm.kernels' int8 kernel (AVX512-VNNI) on W packed once, or "torch",
+    KERNEL_ROWS rows, "wide" above): "duolm", duolm.kernels' int8 kernel (AVX2, AVX512-VNNI) on W packed once, or
+    "torch",
     int8_mm around torch._int_mm (oneDNN's int8 GEMM); both operators that compiled graphs call as they are."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
