@@ -227,6 +227,33 @@ def test_bert_pooled_equals_forward_and_its_gradients():
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("T", [1, 7, 40])
+def test_bert_scores_attention_equals_sdpa(T):
+    """bert.scores_attention (baddbmm, softmax, bmm) against SelfAttention's SDPA within 1e-5: padded rows, a row of one
+    real key, no mask; and a tiny Bert whose every core is swapped for it gives the same states."""
+    from duolm.models.bert import SelfAttention, scores_attention
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 4, T, 16, generator=gen) for _ in range(3))
+    mask = torch.ones(3, T, dtype=torch.bool)
+    mask[1, T // 2 + 1:] = False
+    mask[2, 1:] = False
+    for m in (mask[:, None, None, :], None):
+        torch.testing.assert_close(scores_attention(q, k, v, m), SelfAttention()(q, k, v, m), atol=1e-5, rtol=0)
+
+    class Swapped(SelfAttention):
+        def forward(self, q, k, v, mask=None):
+            return scores_attention(q, k, v, mask)
+    torch.manual_seed(3)
+    model = Bert(BertConfig.preset("tiny")).eval()
+    scramble(model)
+    idx = torch.randint(1, 512, (3, T), generator=gen)
+    want = model(idx, None, mask.long())
+    for block in model.h:
+        block.attn.core = Swapped()
+    torch.testing.assert_close(model(idx, None, mask.long()), want, atol=1e-5, rtol=0)
+
+
+@torch.no_grad()
 def test_bert_model_round_trip_and_export():
     torch.manual_seed(8)
     cfg = BertConfig.preset("tiny")

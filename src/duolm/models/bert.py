@@ -74,6 +74,32 @@ BERT_PRESETS = {
 # ---------------------------------------------------------------------------------------------
 # Bidirectional self-attention
 
+class SelfAttention(nn.Module):
+    """softmax(q k^T / sqrt(d) + mask) v, every query against every key: attention() (SDPA; its formula written out
+    under dropout on the CPU). q, k, v (B, nh, T, hd), mask None or bool (B, 1, 1, T) -> (B, nh, T, hd). A module of
+    its own so that another arrangement of the same numbers can be swapped in for inference, visibly (print(model)),
+    as GPT-2's OneQueryAttention: scores_attention below, the one SDPA's fused kernel loses to at short lengths."""
+
+    def __init__(self, dropout: float = 0.0):
+        super().__init__()
+        self.dropout = dropout
+
+    def forward(self, q, k, v, mask=None):
+        return attention(q, k, v, mask, self.dropout if self.training else 0.0)
+
+
+def scores_attention(q, k, v, mask=None):
+    """SelfAttention's numbers (no dropout) as three batched products: the (B*nh, T, T) scores in one baddbmm onto
+    the additive mask (0 or -inf), their softmax, and the product with v. q, k, v (B, nh, T, hd) -> (B, nh, T, hd)."""
+    B, nh, T, hd = q.shape
+    bias = torch.zeros((B, 1, 1, T), dtype=q.dtype, device=q.device)
+    if mask is not None:
+        bias = bias.masked_fill(~mask, float("-inf"))
+    att = torch.baddbmm(bias.expand(B, nh, T, T).reshape(B * nh, T, T), q.reshape(B * nh, T, hd),
+                        k.reshape(B * nh, T, hd).transpose(1, 2), alpha=hd ** -0.5)
+    return torch.bmm(att.softmax(-1), v.reshape(B * nh, T, hd)).view(B, nh, T, hd)
+
+
 class Attention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -82,6 +108,7 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)   # q, k, v in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_drop = Dropout(config.dropout)
+        self.core = SelfAttention(config.dropout)
 
     def forward(self, x, mask=None):
         """x (B, T, C); mask None or bool (B, 1, 1, T), True = real key -> (B, T, C)."""
@@ -96,7 +123,7 @@ class Attention(nn.Module):
         q = q.view(B, Tq, self.n_head, -1).transpose(1, 2)    # (B, nh, T, hd), strided views
         k = k.view(B, T, self.n_head, -1).transpose(1, 2)
         v = v.view(B, T, self.n_head, -1).transpose(1, 2)
-        y = attention(q, k, v, mask, self.dropout if self.training else 0.0)
+        y = self.core(q, k, v, mask)
         y = self.c_proj(y.transpose(1, 2).reshape(B, Tq, C))
         return self.resid_drop(y) if self.training and self.dropout > 0 else y
 
