@@ -7,13 +7,17 @@
    questions cut in two, their answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
    continuation computed, over each context once plus every continuation) and the share of it, and that the
    log-probabilities agree within 1e-5.
-2. Structured output: llguidance's mask (duolm.generation.grammar.Constraint.mask: the engine's bitmask, unpacked,
-   applied to the logits) per token and row, over sampled completions (temperature 1 on random logits) under a JSON
-   schema, a regex and a choice; all of them valid. Against a decoding step of the model, batch 1.
+2. Structured output: llguidance's mask (duolm.generation.grammar.Constraint.mask: the engine's bitmask written into
+   the sequence's buffer, a byte-table lookup, added to the logits) per token and row, over sampled completions
+   (temperature 1 on random logits) under a JSON schema, a regex and a choice; all of them valid; llguidance's share
+   (Constraint.bitmask alone) and the plain mask (tests/test_structured.py's reference: the bitmask unpacked by
+   numpy) timed beside it on sequences in lockstep. Against a decoding step of the model in int8, batch 1.
 
-    python benchmarks/serve_prefix.py [--items 60] [--completions 1000]
+    python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask]
 
-Writes results/serve-prefix-cpu.json.
+The process first calls duolm.malloc.keep_freed_memory() and huge_pages(), as `duolm serve` does. Writes
+results/serve-prefix-cpu.json: its "prefix" and "mask" parts, each with the date, load and command of the run
+that measured it (--only keeps the other part as it was).
 """
 from __future__ import annotations
 
@@ -33,9 +37,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import duolm  # noqa: E402
 from duolm.generation.grammar import Grammar, Vocabulary  # noqa: E402
+from duolm.malloc import huge_pages, keep_freed_memory  # noqa: E402
 from duolm.models import GPT2, GPT2Config, KVCache  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
-from test_structured import CHOICES, REGEX, SCHEMA, valid_json  # noqa: E402
+from test_structured import CHOICES, REGEX, SCHEMA, plain_mask, valid_json  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -90,22 +95,27 @@ def prefix_case(model, tok, n: int, form: str) -> dict:
             "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"]}
 
 
-def mask_case(model, tok, grammar: Grammar, completions: int, ok) -> dict:
-    vocab = Vocabulary.of(tok, model.config.vocab_size)
+def mask_case(vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
+    """Three sequences in lockstep a completion, each timed at every draw: Constraint.mask (the cost of a draw),
+    Constraint.bitmask alone (llguidance's share) and test_structured.plain_mask (the bitmask as bytes, unpacked by
+    numpy, masked_fill: the plain mask, the reference)."""
     source = vocab.compile(grammar)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, model.config.vocab_size, generator=g)
+    logits = torch.randn(64, vocab.vocab_size, generator=g)
     masks = tokens = valid = stopped = 0
-    seconds = 0.0
+    seconds = {"mask": 0.0, "engine": 0.0, "plain": 0.0}
     for k in range(completions):
-        c, out = vocab.constraint(source), []
+        (c, engine, plain), out = [vocab.constraint(source) for _ in range(3)], []
         for step in range(64):
-            t0 = time.perf_counter()
-            masked = c.mask(logits[step:step + 1])
-            seconds += time.perf_counter() - t0
+            row = logits[step:step + 1]
+            for key, draw in (("engine", engine.bitmask), ("plain", lambda: plain_mask(plain, row[0])),
+                              ("mask", lambda: c.mask(row))):
+                t0 = time.perf_counter()
+                masked = draw()
+                seconds[key] += time.perf_counter() - t0
             masks += 1
             t = int(torch.multinomial(masked.softmax(-1), 1, generator=g))
-            if t == tok.eot_id or c.advance(t):
+            if t == tok.eot_id or any([s.advance(t) for s in (c, engine, plain)]):
                 stopped += 1
                 out += [] if t == tok.eot_id else [t]
                 break
@@ -113,50 +123,76 @@ def mask_case(model, tok, grammar: Grammar, completions: int, ok) -> dict:
         tokens += len(out)
         valid += ok(tok.decode(out))
     return {"grammar": grammar.kind, "completions": completions, "valid": valid, "stopped": stopped,
-            "mask_us_per_token": 1e6 * seconds / masks, "tokens_mean": tokens / completions}
+            **{f"{key}_us_per_token": 1e6 * v / masks for key, v in seconds.items()}, "tokens_mean": tokens / completions}
 
 
 def step_ms(model) -> float:
+    """One decoding step of batch 1 (GPT2.hidden over one new position, the head), after a 64-token prompt."""
     cache = KVCache(model.config, 1, max_len=128)
+    one = torch.zeros(1, 1, dtype=torch.long)
     with torch.inference_mode():
         model.hidden(torch.zeros(1, 64, dtype=torch.long), None, cache)
-        t0, n = time.perf_counter(), 30
+        for _ in range(5):
+            model.head(model.hidden(one, None, cache)).float()
+        t0, n = time.perf_counter(), 50
         for _ in range(n):
-            model.head(model.hidden(torch.zeros(1, 1, dtype=torch.long), None, cache)).float()
+            model.head(model.hidden(one, None, cache)).float()
     return 1e3 * (time.perf_counter() - t0) / n
+
+
+def run() -> dict:
+    """This run's date, load average, threads and command."""
+    return {"date": datetime.date.today().isoformat(), "load": os.getloadavg()[0], "threads": torch.get_num_threads(),
+            "command": "python benchmarks/serve_prefix.py " + " ".join(sys.argv[1:])}
+
+
+def prefix_part(args, tok) -> dict:
+    model = GPT2(GPT2Config.preset("gpt2")).eval()
+    precision = duolm.precision.resolve("auto", "cpu", training=False)
+    duolm.precision.quantize(model, precision)
+    rec = {**run(), "precision": precision, "cases": []}
+    for form in ("arc", "hellaswag"):
+        r = prefix_case(model, tok, args.items, form)
+        rec["cases"].append(r)
+        print(f"prefix cache, {form}: {r['items']} items, {r['requests']} requests, {r['tokens']} tokens: "
+              f"{r['plain_s']:.2f} s without, {r['cached_s']:.2f} s with: {r['speedup']:.2f}x; token-reuse bound "
+              f"{r['bound']:.2f}x ({r['share_of_bound']:.0%} of it); log-probabilities differ by "
+              f"{r['max_logprob_diff']:.2g} at most")
+    return rec
+
+
+def mask_part(args, tok) -> dict:
+    model = duolm.precision.quantize(GPT2(GPT2Config.preset("gpt2")).eval(), "int8")
+    rec = {**run(), "step_precision": "int8", "step_ms": step_ms(model), "cases": []}
+    vocab = Vocabulary.of(tok, model.config.vocab_size)
+    for grammar, ok in ((Grammar("json", SCHEMA), valid_json), (Grammar("regex", REGEX), re.compile(REGEX).fullmatch),
+                        (Grammar("choice", CHOICES), CHOICES.__contains__)):
+        r = mask_case(vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)))
+        r["share_of_step"] = 1e-3 * r["mask_us_per_token"] / rec["step_ms"]
+        rec["cases"].append(r)
+        print(f"mask, {r['grammar']}: {r['mask_us_per_token']:.1f} us a token and row (llguidance's bitmask "
+              f"{r['engine_us_per_token']:.1f}; the plain mask {r['plain_us_per_token']:.1f}), {r['share_of_step']:.1%} of a {rec['step_ms']:.2f} ms int8 batch-1 "
+              f"step; {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens each")
+    return rec
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--items", type=int, default=60)
     ap.add_argument("--completions", type=int, default=1000, help="per grammar")
+    ap.add_argument("--only", choices=("prefix", "mask"), help="run one part (the file keeps the other's figures)")
     args = ap.parse_args()
+    keep_freed_memory()                 # as the `duolm` command does before its first tensor
+    huge_pages()
     torch.manual_seed(0)
     tok = duolm.ByteLevelBPE.from_files(DATA / "gpt2" / "encoder.json", DATA / "gpt2" / "vocab.bpe")
-    model = GPT2(GPT2Config.preset("gpt2")).eval()
-    duolm.precision.quantize(model, duolm.precision.resolve("auto", "cpu", training=False))
-    load = os.getloadavg()[0]
     print(f"GPT-2 124M shape, random weights, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, load {load:.2f}")
-    rec = {"date": datetime.date.today().isoformat(), "load": load, "threads": torch.get_num_threads(),
-           "command": "python benchmarks/serve_prefix.py " + " ".join(sys.argv[1:]), "prefix": [], "mask": []}
-    for form in ("arc", "hellaswag"):
-        r = prefix_case(model, tok, args.items, form)
-        rec["prefix"].append(r)
-        print(f"prefix cache, {form}: {r['items']} items, {r['requests']} requests, {r['tokens']} tokens: "
-              f"{r['plain_s']:.2f} s without, {r['cached_s']:.2f} s with: {r['speedup']:.2f}x; token-reuse bound "
-              f"{r['bound']:.2f}x ({r['share_of_bound']:.0%} of it); log-probabilities differ by "
-              f"{r['max_logprob_diff']:.2g} at most")
-    step = step_ms(model)
-    rec["step_ms"] = step
-    for grammar, ok in ((Grammar("json", SCHEMA), valid_json), (Grammar("regex", REGEX), re.compile(REGEX).fullmatch),
-                        (Grammar("choice", CHOICES), CHOICES.__contains__)):
-        r = mask_case(model, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)))
-        rec["mask"].append(r)
-        print(f"mask, {r['grammar']}: {r['mask_us_per_token']:.1f} us a token and row ({100e-3 * r['mask_us_per_token'] / step:.1f}% "
-              f"of a {step:.1f} ms batch-1 step); {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, "
-              f"{r['tokens_mean']:.1f} tokens each")
+          f"{torch.get_num_threads()} threads, load {os.getloadavg()[0]:.2f}")
     out = ROOT / "results" / "serve-prefix-cpu.json"
+    rec = json.loads(out.read_text()) if args.only and out.exists() else {}
+    for part, measure in (("prefix", prefix_part), ("mask", mask_part)):
+        if args.only in (None, part):
+            rec[part] = measure(args, tok)
     out.write_text(json.dumps(rec, indent=1) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 

@@ -3,16 +3,18 @@ JSON schema, and `duolm serve`'s /v1/completions under OpenAI's response_format 
 structured_outputs fields, checked with the official `openai` client against a real server process: sampled
 completions (temperature 1, a tiny random model) are valid texts of their grammar (Python's `re`, `json` and a JSON
 schema check written here, not the engine's) and end "stop" within their budget; rows with and without constraints
-decode in one batch; an all-permissive grammar draws the very ids of no grammar."""
+decode in one batch; an all-permissive grammar draws the very ids of no grammar; the mask (llguidance's bitmask written
+in place, a table lookup a byte) equals the plain one (llguidance's bitmask as bytes, unpacked by numpy)."""
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 
 import duolm
 from duolm.generation import generate
-from duolm.generation.grammar import Grammar, Vocabulary
+from duolm.generation.grammar import Grammar, Vocabulary, constrain
 from duolm.models import GPT2, GPT2Config
 from duolm.textgen import generate_text
 from duolm.tokenizers import ByteLevelBPE
@@ -48,6 +50,57 @@ def valid_json(text: str) -> bool:
 def ascii_tokenizer() -> ByteLevelBPE:
     """128 one-byte tokens, each a whole character, and <|endoftext|> (128): every token continues any text."""
     return ByteLevelBPE({bytes([i]): i for i in range(128)}, {"<|endoftext|>": 128})
+
+
+def plain_mask(constraint, logits: torch.Tensor) -> torch.Tensor:
+    """The reference: llguidance's bitmask as bytes, unpacked by numpy into a bool a token (ids past it never
+    allowed), the disallowed logits of the row (V,) set to -inf."""
+    bits = np.unpackbits(np.frombuffer(constraint.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    n = min(len(allowed), len(bits))
+    allowed[:n] = torch.from_numpy(bits[:n].view(np.bool_))
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+@pytest.mark.parametrize("V", [50257, 50304])      # GPT-2's vocabulary; its logits padded to VOCAB_ALIGN (64)
+def test_the_mask_equals_the_plain_one(data_dir, V):
+    """A batch of a choice, no constraint, a regex, a JSON schema and no constraint, drawn step by step (sampled
+    among the allowed ids) until every grammar is complete: each step's constrain() equals plain_mask row by row, in
+    fp32 and bf16, on logits that are a view (as GPT2.head returns them); unconstrained rows come back bit for bit,
+    the logits given are not changed, ids past the tokenizer's are -inf, each sequence's bitmask is one buffer."""
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    vocab = Vocabulary.of(tok, V)
+    constraints = [vocab.constraint(Grammar("choice", CHOICES)), None, vocab.constraint(Grammar("regex", REGEX)),
+                   vocab.constraint(Grammar("json", SCHEMA)), None]
+    buffers = [c and c.bitmask() for c in constraints]
+    g = torch.Generator().manual_seed(0)
+    texts, counts = {j: [] for j, c in enumerate(constraints) if c is not None}, set()
+    for step in range(BUDGET):
+        if all(c is None for c in constraints):
+            break
+        logits = (torch.randn(len(constraints), V + 7, generator=g) * 4)[:, :V]
+        logits[:, 50257 - 3:] = 1e4             # the last ids (<|endoftext|> among them) and the padding most likely
+        given = logits.clone()
+        for dtype in (torch.bfloat16, torch.float32):
+            out = constrain(logits.to(dtype), constraints)
+            for j, c in enumerate(constraints):
+                want = logits[j].to(dtype) if c is None else plain_mask(c, logits[j].to(dtype))
+                assert out.dtype == dtype and torch.equal(out[j], want), (step, j)
+        assert torch.equal(logits, given)
+        for j, c in enumerate(constraints):
+            if c is None:
+                continue
+            assert c.bitmask() is buffers[j] and torch.equal(c.mask(logits[j:j + 1])[0], out[j])
+            assert (out[j, tok.vocab_size:] == float("-inf")).all()
+            allowed = torch.isfinite(out[j]).nonzero()[:, 0]
+            counts.add(len(allowed))
+            t = int(allowed[torch.randint(len(allowed), (1,), generator=g)])
+            texts[j] += [] if t == tok.eot_id else [t]
+            if t == tok.eot_id or c.advance(t):
+                constraints[j] = None
+    assert all(c is None for c in constraints) and max(counts) > 1000 and min(counts) < 100       # dense and sparse
+    assert tok.decode(texts[0]) in CHOICES and re.fullmatch(REGEX, tok.decode(texts[2]))
+    assert valid_json(tok.decode(texts[3]))
 
 
 def test_generate_text_follows_each_grammar(gpt2):

@@ -12,6 +12,10 @@ JSON schema), and needs no other package (xgrammar needs transformers). docs/ser
     constraint = vocab.constraint(grammar)      # one per sequence: its state is the text so far
     logits = constraint.mask(logits)            # (1, V): disallowed tokens -inf
     done = constraint.advance(token)            # True: the text is complete, nothing may follow
+
+A draw's mask costs llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy, no
+unpacking), and one pass over the logits: each byte of the bitmask picks its eight columns' 0 or -inf from a table of
+256 rows, added to the logits (constrain: every constrained row of a batch in one op, the others copied as they are).
 """
 from __future__ import annotations
 
@@ -88,6 +92,8 @@ class Vocabulary:
                 return tokenizer.encode(text.decode("utf-8", "replace"), disallowed_special=())
 
         self.vocab_size, self.eot_id = vocab_size, tokenizer.eot_id
+        self.words = (vocab_size + 31) // 32            # a bitmask's int32 words: 32 tokens each
+        self.llg_bytes = 4 * ((n + 31) // 32)           # the words llguidance writes: the tokenizer's (the rest stay 0)
         self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
         self._llguidance = llguidance
 
@@ -121,19 +127,17 @@ class Constraint:
         self.matcher = vocab._llguidance.LLMatcher(vocab.llg, source, log_level=0)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
+        self._bitmask = torch.zeros(1, vocab.words, dtype=torch.int32)     # written in place at every draw
 
-    def allowed(self) -> torch.Tensor:
-        """(V,) bool: the tokens that may come next (end of text when the text so far is complete)."""
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        V = self.vocab.vocab_size
-        out = torch.zeros(V, dtype=torch.bool)
-        n = min(V, len(bits))
-        out[:n] = torch.from_numpy(bits[:n].view(np.bool_))
-        return out
+    def bitmask(self) -> torch.Tensor:
+        """(1, W) int32, bit t % 32 of word t // 32 set when token t may come next (end of text when the text so far
+        is complete; ids past the tokenizer's never): this sequence's buffer, rewritten at each call."""
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self.vocab.llg_bytes)
+        return self._bitmask
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (1, V) of this sequence's next draw -> a copy with the disallowed tokens at -inf."""
-        return logits.masked_fill(~self.allowed().to(logits.device), float("-inf"))
+        return constrain(logits, [self])
 
     def advance(self, token: int) -> bool:
         """The token drawn (one mask() allowed); True when the text is complete and nothing may follow it."""
@@ -142,9 +146,26 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
+# (256, 8) float32: row b holds 0 where bit i of b is set (the token allowed), else -inf: one byte of a bitmask, spread
+BYTE_TABLE = np.where(np.arange(256)[:, None] >> np.arange(8) & 1, 0.0, -np.inf).astype(np.float32)
+
+
+def penalty(bitmask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """bitmask (K, W) int32 (Constraint.bitmask's rows) -> (K, V) of 0 (token allowed) and -inf, in the dtype and on
+    the device of logits (..., V): each byte of the words (little-endian: byte k of word w holds tokens 32w + 8k to
+    32w + 8k + 7, its bit i the token 32w + 8k + i) picks its row of BYTE_TABLE, in one numpy take (torch's
+    index_select is many times slower on these 8-float rows)."""
+    bias = torch.from_numpy(BYTE_TABLE.take(bitmask.numpy().view(np.uint8), axis=0))       # (K, 4W, 8)
+    return bias.view(len(bitmask), -1)[:, :logits.shape[-1]].to(logits.device, logits.dtype)
+
+
 def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
-    """logits (B, V) with each row masked by its constraint (a Constraint, or None: left as it is); `logits` itself
-    when no row has one."""
-    if not any(c is not None for c in constraints):
+    """logits (B, V) with each row masked by its constraint (a Constraint, or None: left as it is): a new tensor, the
+    disallowed tokens at -inf; `logits` itself when no row has one."""
+    rows = [j for j, c in enumerate(constraints) if c is not None]
+    if not rows:
         return logits
-    return torch.cat([logits[j:j + 1] if c is None else c.mask(logits[j:j + 1]) for j, c in enumerate(constraints)])
+    bias = penalty(torch.cat([constraints[j].bitmask() for j in rows]), logits)
+    if len(rows) == len(logits):
+        return logits + bias
+    return logits.index_add(0, torch.tensor(rows, device=logits.device), bias)
