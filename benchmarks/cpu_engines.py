@@ -35,7 +35,8 @@ median of its rounds): a shared machine's memory speed drifts over a run, and a 
 can be minutes away from the decoding it is compared with; its tensor sits on huge pages as the weights do (the
 machine's best streaming read). Prints the CPU, its bf16 support and the load average.
 
-    python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--default-malloc] [--json out.json]
+    python benchmarks/cpu_engines.py [--threads 2] [--rounds 5] [--new-tokens 128] [--batches 1 8] [--default-malloc]
+                                     [--json out.json]
 """
 from __future__ import annotations
 
@@ -310,6 +311,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], choices=[1, 8], help="decoding's batch sizes")
     ap.add_argument("--default-malloc", action="store_true",
                     help="leave glibc's malloc and torch's pages at their defaults")
     ap.add_argument("--json", default=None, help="also write the numbers here")
@@ -330,7 +332,7 @@ def main():
         gpt_hf, bert_hf = save_models(folder)
         weight_bytes = 4 * (sum(p.numel() for n, p in gpt_hf.named_parameters() if p.dim() == 2 and "wpe" not in n))
         print(f"\nGPT-2 124M greedy, {PROMPT}-token prompt, {args.new_tokens} new tokens, median of {args.rounds} rounds")
-        for batch in (1, 8):
+        for batch in args.batches:
             times, same, compile_s = decode_rows(folder, gpt_hf, batch, args.new_tokens, args.rounds, args.threads)
             if batch == 1:
                 gbs = (1 << 30) / times.pop(READ) / 1e9

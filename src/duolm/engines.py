@@ -223,9 +223,11 @@ def choose(times: dict, kind: str = "fp32", margin: float = 0.03) -> dict:
 
 
 def machine_key() -> str:
-    """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads."""
+    """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads, and
+    duolm's kernels (whether they run here, their source: a new kernel is timed anew)."""
     parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
-             torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads())]
+             torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
+             str(kernels.ready()), hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

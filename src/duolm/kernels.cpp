@@ -86,6 +86,7 @@ void store_tile(int64_t n0, int64_t N, const float* bp, float* y, F value) {
   for (int j = 0; j < 2 && n0 + L * j < N; ++j) {
     const int64_t n = n0 + L * j, count = std::min<int64_t>(L, N - n);
     const Vec b = bp ? Vec::loadu(bp + n, count) : Vec(0.0f);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) (value(i, j, n, count) + b).store(y + i * N + n, count);
   }
 }
@@ -95,19 +96,21 @@ void store_tile(int64_t n0, int64_t N, const float* bp, float* y, F value) {
 template <int MR>
 void fp32_tile(const float* __restrict xt, int64_t K, const float* __restrict w0, const float* __restrict w1,
                int64_t n0, int64_t N, const float* bp, float* __restrict y) {
-  Vec acc[2][MR];
-  for (int i = 0; i < MR; ++i) acc[0][i] = acc[1][i] = Vec(0.0f);
+  Vec acc0[MR], acc1[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = Vec(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     prefetch(w0 + k * L + AHEAD / 4);
     prefetch(w1 + k * L + AHEAD / 4);
     const Vec b0 = Vec::loadu(w0 + k * L), b1 = Vec::loadu(w1 + k * L);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const Vec a(xt[k * MR + i]);
-      acc[0][i] = at::vec::fmadd(a, b0, acc[0][i]);
-      acc[1][i] = at::vec::fmadd(a, b1, acc[1][i]);
+      acc0[i] = at::vec::fmadd(a, b0, acc0[i]);
+      acc1[i] = at::vec::fmadd(a, b1, acc1[i]);
     }
   }
-  store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t, int64_t) { return acc[j][i]; });
+  store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t, int64_t) { return j ? acc1[i] : acc0[i]; });
 }
 
 // x (M, K) as a (..., K) tensor's rows -> their chunks interleaved for the tiles, `per` values of T a step of k:
@@ -162,18 +165,20 @@ template <int MR>
 INT8 void int8_tile(const int32_t* __restrict xq, int64_t KG, const int8_t* __restrict w0,
                     const int8_t* __restrict w1, int64_t n0, int64_t N, const float* lo, const float* step,
                     const float* sp, const float* rs, const float* bp, float* __restrict y) {
-  IVec acc[2][MR];
-  for (int i = 0; i < MR; ++i) acc[0][i] = acc[1][i] = izero();
+  IVec acc0[MR], acc1[MR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = izero();
   for (int64_t g = 0; g < KG; ++g) {
     prefetch(w0 + g * L * G + AHEAD);
     prefetch(w1 + g * L * G + AHEAD);
+#pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
-      acc[0][i] = dot(acc[0][i], xq[g * MR + i], w0 + g * L * G);
-      acc[1][i] = dot(acc[1][i], xq[g * MR + i], w1 + g * L * G);
+      acc0[i] = dot(acc0[i], xq[g * MR + i], w0 + g * L * G);
+      acc1[i] = dot(acc1[i], xq[g * MR + i], w1 + g * L * G);
     }
   }
   store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t n, int64_t count) {
-    return at::vec::fmadd(to_float(acc[j][i]), Vec(step[i]) * Vec::loadu(sp + n, count),
+    return at::vec::fmadd(to_float(j ? acc1[i] : acc0[i]), Vec(step[i]) * Vec::loadu(sp + n, count),
                           Vec(lo[i]) * Vec::loadu(rs + n, count));
   });
 }

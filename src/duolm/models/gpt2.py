@@ -196,11 +196,8 @@ class Attention(nn.Module):
         kv: None or (k_buf, v_buf, past) of this layer's cache; the new keys/values go in at past (an int), or at
         column `past` (a (1,) tensor: a static step, which attends over the whole buffer under its mask)."""
         B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, nh, T, hd) as strided views; SDPA takes them without copies.
-        q = q.view(B, T, self.n_head, -1).transpose(1, 2)
-        k = k.view(B, T, self.n_head, -1).transpose(1, 2)
-        v = v.view(B, T, self.n_head, -1).transpose(1, 2)
+        # (B, T, 3C) -> q, k, v (B, nh, T, hd) as strided views; SDPA takes them without copies.
+        q, k, v = self.c_attn(x).view(B, T, 3, self.n_head, -1).permute(2, 0, 3, 1, 4).unbind(0)
         if kv is not None and isinstance(kv[2], torch.Tensor):   # a static step (GPT2.step)
             k_buf, v_buf, at = kv
             k, v = k_buf.index_copy_(2, at, k), v_buf.index_copy_(2, at, v)   # the whole cache; the mask hides the rest
@@ -208,9 +205,9 @@ class Attention(nn.Module):
         else:
             if kv is not None:
                 k_buf, v_buf, past = kv
-                k_buf[:, :, past:past + T] = k
-                v_buf[:, :, past:past + T] = v
-                k, v = k_buf[:, :, :past + T], v_buf[:, :, :past + T]
+                k_buf.narrow(2, past, T).copy_(k)
+                v_buf.narrow(2, past, T).copy_(v)
+                k, v = k_buf.narrow(2, 0, past + T), v_buf.narrow(2, 0, past + T)
             if T == 1 and kv is not None and self.one_query.fused:
                 y = self.one_query(q, k, v, mask)                   # decoding, on a fused kernel swapped in
             else:
