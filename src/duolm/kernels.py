@@ -1,9 +1,9 @@
 """duolm's CPU kernels for decoding, kernels.cpp: products of the few rows decoding multiplies (a token of each
 sequence), each weight packed once so that one pass over it serves every row, its next lines prefetched, and one
 query's attention over a KV cache. One source, written with ATen's portable vectors, built for the instruction set
-torch dispatches here (ISAS: AVX-512 or AVX2; LANES floats a vector); where it builds (available(); ready() on this
-CPU) duolm.precision's KernelLinear and Int8Linear may run the products (duolm.engines times them against the
-libraries), its KernelAttention GPT-2's decoding attention (swapped in by quantize). Each is an operator
+torch dispatches here (isa(): AVX-512 or AVX2; layout(): the packs' blocks); where it builds (available(); ready()
+on this CPU) duolm.precision's KernelLinear and Int8Linear may run the products (duolm.engines times them against
+the libraries), its KernelAttention GPT-2's decoding attention (swapped in by quantize). Each is an operator
 (duolm_cpu::...) with a shape function, which compiled graphs call as it is.
 
 The build: the first process that needs the kernels on a machine compiles kernels.cpp into a shared library with one
