@@ -230,7 +230,7 @@ def test_bert_pooled_equals_forward_and_its_gradients():
 @pytest.mark.parametrize("T", [1, 7, 40])
 def test_bert_scores_attention_equals_sdpa(T):
     """bert.scores_attention (baddbmm, softmax, bmm) against SelfAttention's SDPA within 1e-5: padded rows, a row of one
-    real key, no mask; and a tiny Bert whose every core is swapped for it gives the same states."""
+    real key, no mask, all queries or the first alone; and a tiny Bert whose every core is swapped for it gives the same states."""
     from duolm.models.bert import SelfAttention, scores_attention
     gen = torch.Generator().manual_seed(5)
     q, k, v = (torch.randn(3, 4, T, 16, generator=gen) for _ in range(3))
@@ -239,6 +239,8 @@ def test_bert_scores_attention_equals_sdpa(T):
     mask[2, 1:] = False
     for m in (mask[:, None, None, :], None):
         torch.testing.assert_close(scores_attention(q, k, v, m), SelfAttention()(q, k, v, m), atol=1e-5, rtol=0)
+        one = q[:, :, :1]                                     # one query against every key (Block.cls)
+        torch.testing.assert_close(scores_attention(one, k, v, m), SelfAttention()(one, k, v, m), atol=1e-5, rtol=0)
 
     class Swapped(SelfAttention):
         def forward(self, q, k, v, mask=None):

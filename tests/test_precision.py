@@ -22,8 +22,9 @@ from duolm.models import GPT2, Bert, BertConfig, BertForPreTraining, GPT2Config
 from duolm.models.heads import HeadConfig, attach_head
 from duolm import precision as precision_module
 from duolm import engines, kernels
-from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, autocast, int8_rows, native_bf16, onednn_rows,
-                             quantize, resolve)
+from duolm.models.bert import SelfAttention, scores_attention
+from duolm.precision import (BF16Linear, Int8Linear, PackedLinear, ShortAttention, autocast, int8_rows, native_bf16,
+                             onednn_rows, quantize, resolve)
 from test_generation import _collect
 
 
@@ -424,6 +425,84 @@ def test_fp32_engines_are_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
     unwritable = tmp_path / "a file" / "engines.json"
     unwritable.parent.write_text("")
     assert engines.fp32_choice.__wrapped__(unwritable)["wide"] == "onednn" and len(runs) == 4
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8"])
+def test_quantized_bert_attention_runs_three_products_up_to_the_longest_timed(monkeypatch, precision):
+    """quantize swaps BERT's attention cores for ShortAttention whatever the precision (attention_choice() forced to 16
+    keys): scores_attention runs (counted) at 12 keys, in forward and in pooled()'s [CLS]-only last layer, and SDPA at
+    30; the states and pooled output within 1e-5 of the same swap with SDPA throughout (longest 0) and, in fp32, of
+    the plain model, padded rows among them."""
+    calls = []
+    monkeypatch.setattr(precision_module, "scores_attention",
+                        lambda q, k, v, mask: calls.append(k.shape[2]) or scores_attention(q, k, v, mask))
+    model = _bert()
+    monkeypatch.setattr(precision_module, "attention_choice", lambda: {"longest": 0})
+    sdpa = _swapped(model, precision)
+    monkeypatch.setattr(precision_module, "attention_choice", lambda: {"longest": 16})
+    short = _swapped(model, precision)
+    assert [type(b.attn.core) for b in short.h] == [ShortAttention] * 2 and short.h[0].attn.core.longest == 16
+    assert "(core): ShortAttention(scores_attention up to 16 keys, SDPA above)" in str(short)
+    g = torch.Generator().manual_seed(1)
+    for T, formula in ((12, True), (30, False)):
+        idx = torch.randint(1, 120, (3, T), generator=g)
+        mask = torch.ones(3, T, dtype=torch.long)
+        mask[1, T // 2:] = 0
+        mask[2, 2:] = 0
+        with torch.no_grad():
+            want = sdpa(idx, None, mask) if precision != "fp32" else model(idx, None, mask)
+            calls.clear()
+            got, pooled = short(idx, None, mask), short.pooled(idx, None, mask)
+            assert calls == ([T] * 4 if formula else [])           # two layers in forward, two in pooled
+        for a, b in zip((*got, pooled), (*want, want[1])):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_short_attention_trains_and_runs_other_dtypes_on_sdpa(monkeypatch):
+    """ShortAttention under training, with autograd on its inputs, or on bf16 inputs takes SelfAttention's path (SDPA:
+    scores_attention never called) and gives its numbers; at up to `longest` keys in fp32, scores_attention's."""
+    calls = []
+    monkeypatch.setattr(precision_module, "scores_attention", lambda *a: calls.append(1) or scores_attention(*a))
+    q, k, v = (torch.randn(2, 3, 8, 16) for _ in range(3))
+    mask = torch.tensor([[True] * 8, [True] * 3 + [False] * 5])[:, None, None, :]
+    core, want = ShortAttention(16).eval(), SelfAttention()(q, k, v, mask)
+    torch.testing.assert_close(core(q, k, v, mask), want, atol=1e-5, rtol=0)
+    assert calls == [1]
+    assert torch.equal(core(q.requires_grad_(), k, v, mask), SelfAttention()(q, k, v, mask))
+    assert torch.equal(core.train()(q.detach(), k, v, mask), want)
+    half = [t.bfloat16() for t in (q.detach(), k, v)]
+    assert torch.equal(core.eval()(*half, mask), SelfAttention()(*half, mask)) and calls == [1]
+
+
+def test_bert_attention_choice_is_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
+    """precision.attention_choice: the longest length up to which scores_attention beat SDPA at every length timed
+    (0 where it lost at the shortest), written with the machine's key and read by every later call (no timing); a file
+    for another key, or whose choice is not a length, is timed again."""
+    runs = []
+
+    def timed(scores):
+        lengths = (8, 16, 32, 64)
+        return lambda: runs.append(1) or {"sdpa": dict.fromkeys(lengths, 2), "scores": dict(zip(lengths, scores))}
+    monkeypatch.setattr(precision_module, "time_attention", timed((1, 1.9, 2, 1)))
+    cache = tmp_path / "attention.json"
+    got = precision_module.attention_choice.__wrapped__(cache)
+    assert (got["longest"], len(runs)) == (16, 1) and got["times"]["scores"] == {"8": 1, "16": 1.9, "32": 2, "64": 1}
+    assert json.loads(cache.read_text()) == got and got["key"] == engines.machine_key()
+    monkeypatch.setattr(precision_module, "time_attention", timed((3, 1, 1, 1)))
+    assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 16 and len(runs) == 1     # kept
+    cache.write_text(json.dumps({**got, "key": "another machine"}))
+    assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 0 and len(runs) == 2
+    cache.write_text(json.dumps({**got, "longest": "16"}))
+    assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 0 and len(runs) == 3
+
+
+def test_attention_is_timed_at_every_length_asked():
+    """time_attention times SDPA and scores_attention at each length (a second each at most here), and
+    scores_longest's worked example holds."""
+    times = precision_module.time_attention(lengths=(4, 8), shape=(2, 2, 8), repeats=1)
+    assert set(times) == {"sdpa", "scores"} and all(set(t) == {4, 8} for t in times.values())
+    assert all(0 < s < 1 for t in times.values() for s in t.values())
+    assert doctest.testmod(precision_module).failed == 0             # scores_longest's, wide_rows' worked examples
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])

@@ -17,7 +17,9 @@ CPU's last-level cache, so that, as when decoding a real model, every product st
 engine wins by more than 3% or the earlier one in the order above stays (a tie is noise). The choice is kept under the
 key of what decides it (the CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a
 file that is missing, unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one
-line on stderr. duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it.
+line on stderr. duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it. kept_choice keeps
+any choice of the machine so (duolm.precision.attention_choice: the lengths at which BERT's attention runs as three
+products rather than SDPA).
 """
 from __future__ import annotations
 
@@ -231,32 +233,46 @@ def machine_key() -> str:
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def _choice(kind: str, cache: Path | None) -> dict:
-    """This machine's `kind` engines ({"few", "wide", "times", "key"}): read from `cache` (default
-    CACHE/<kind>-<key>.json: processes with other thread counts keep theirs apart) where it holds this machine_key(),
-    else timed (time_engines, choose) and written there (a cache that cannot be written is said once and the choice
-    kept for the process)."""
+def kept_choice(kind: str, cache: Path | None, measure, fits) -> dict:
+    """This machine's `kind` choice (a dict, its "times" and "key" among it): read from `cache` (default
+    CACHE/<kind>-<key>.json: processes with other thread counts keep theirs apart) where it holds this machine_key()
+    and fits(kept), else measure() -> (the choice with its "times", what it chose in words), written there and said in
+    one line (a cache that cannot be written is said too, and the choice kept for the process)."""
     key = machine_key()
     path = cache or CACHE / f"{kind}-{key}.json"
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
-        if kept.get("key") == key and {kept.get("few"), kept.get("wide")} <= set(ORDER[kind][0] + ORDER[kind][1]):
+        if kept.get("key") == key and fits(kept):
             return kept
     except (OSError, ValueError, AttributeError):
         pass
     start = time.perf_counter()
-    times = time_engines(kind)
-    choice = {**choose(times, kind), "times": {n: {str(m): t for m, t in ts.items()} for n, ts in times.items()},
-              "key": key}
+    choice, chose = measure()
+    choice = {**choice, "key": key}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, choice, indent=1)
         where = f"kept in {path}"
     except OSError as e:
         where = f"not kept ({path}: {e.strerror or e})"
-    log.warning("duolm: timed the %s engines on this CPU in %.1f s: %s for few rows, %s for more; %s", kind,
-                time.perf_counter() - start, choice["few"], choice["wide"], where)
+    log.warning("duolm: timed the %s engines on this CPU in %.1f s: %s; %s", kind, time.perf_counter() - start, chose,
+                where)
     return choice
+
+
+def json_times(times: dict) -> dict:
+    """{engine: {size: seconds}} with the sizes as strings, as JSON keeps them."""
+    return {n: {str(m): t for m, t in ts.items()} for n, ts in times.items()}
+
+
+def _choice(kind: str, cache: Path | None) -> dict:
+    """This machine's `kind` engines ({"few", "wide", "times", "key"}): time_engines, choose, kept (kept_choice)."""
+    def measure():
+        times = time_engines(kind)
+        choice = {**choose(times, kind), "times": json_times(times)}
+        return choice, f"{choice['few']} for few rows, {choice['wide']} for more"
+    names = set(ORDER[kind][0] + ORDER[kind][1])
+    return kept_choice(kind, cache, measure, lambda kept: {kept.get("few"), kept.get("wide")} <= names)
 
 
 @functools.cache

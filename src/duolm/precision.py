@@ -21,6 +21,10 @@ swaps the linears, in place, for modules that say what they run:
     every row gets all 256 steps, whatever the other rows hold (an outlier token, padding, another request of the
     batch). The sums on the int8 engines timed on this machine (duolm.engines.int8_choice()): duolm.kernels' int8
     kernel (AVX2, or AVX-512 with VNNI) or torch._int_mm (int8_mm), the same integers either way.
+Whatever the precision, on the CPU, BERT's attention core (SelfAttention, SDPA) becomes ShortAttention: the same
+numbers by bert.scores_attention's three products (baddbmm, softmax, bmm) up to the most keys at which they ran
+faster than SDPA's fused kernel on this machine (attention_choice(): timed once a machine, kept as the engines are),
+SDPA above.
 The matmul inputs are the only activations that change precision: LayerNorms, softmax, the residual stream and
 the KV cache stay fp32; embedding lookups read the fp32 table.
 
@@ -32,15 +36,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
-from duolm.engines import (FEW_ROWS, fp32_choice, int8_choice, int8_mm, int8_rows, on_rows, onednn_linear, onednn_rows,
-                           onednn_runs, pack_onednn)
+from duolm.engines import (FEW_ROWS, fp32_choice, int8_choice, int8_mm, int8_rows, json_times, kept_choice, on_rows,
+                           onednn_linear, onednn_rows, onednn_runs, pack_onednn)
 from duolm.kernels import cpuinfo as _cpuinfo
+from duolm.models.bert import SelfAttention, scores_attention
 from duolm.models.gpt2 import OneQueryAttention, TiedLinear
 
 PRECISIONS = ("auto", "fp32", "bf16", "int8")
@@ -242,11 +250,103 @@ class KernelAttention(OneQueryAttention):
         return super().forward(q, k, v, mask)
 
 
+# ---------------------------------------------------------------------------------------------
+# BERT's attention: the three products where they beat SDPA here
+
+ATTENTION_LENGTHS = (8, 16, 32, 64, 128, 256)
+
+
+def time_attention(lengths=ATTENTION_LENGTHS, shape=(32, 12, 64), repeats=5, budget: float = 1.0) -> dict:
+    """{"sdpa": {T: seconds}, "scores": {T: seconds}}: SelfAttention (SDPA) and scores_attention at each T of `lengths`
+    (the best of `repeats`, the two alternating, fewer where a length passes `budget` seconds; a sample runs both
+    512 // T times) on q, k, v as BERT's attention passes them: (B, nh, T, hd) views of one (B, T, 3C) projection
+    (shape = (B, nh, hd)) under its bool key mask (B, 1, 1, T), a quarter of the rows padded to half their length."""
+    B, nh, hd = shape
+    g = torch.Generator().manual_seed(0)
+    runs: dict[str, Callable[..., torch.Tensor]] = {"sdpa": SelfAttention(), "scores": scores_attention}
+    times: dict = {name: {} for name in runs}
+    with torch.inference_mode():
+        for T in lengths:
+            qkv = torch.randn(B, T, 3 * nh * hd, generator=g).split(nh * hd, dim=2)
+            q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in qkv)
+            mask = torch.ones(B, T, dtype=torch.bool)
+            mask[:B // 4, T // 2:] = False
+            mask = mask[:, None, None, :]
+            calls, began = max(1, 512 // T), time.perf_counter()
+            for run in runs.values():                   # a first call each warms up
+                run(q, k, v, mask)
+            for _ in range(repeats):
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        run(q, k, v, mask)
+                    times[name][T] = min(times[name].get(T, float("inf")), (time.perf_counter() - start) / calls)
+                if time.perf_counter() - began > budget:
+                    break
+    return times
+
+
+def scores_longest(times: dict) -> int:
+    """The longest T up to which scores_attention ran faster than SDPA at every length in `times` (time_attention's),
+    0 where it lost at the shortest.
+
+    >>> scores_longest({"sdpa": {8: 2, 16: 2, 32: 2, 64: 2}, "scores": {8: 1, 16: 1.5, 32: 3, 64: 1}})
+    16
+    """
+    longest = 0
+    for T in sorted(times["sdpa"]):
+        if times["scores"][T] >= times["sdpa"][T]:
+            break
+        longest = T
+    return longest
+
+
+@functools.cache
+def attention_choice(cache: Path | None = None) -> dict:
+    """This machine's BERT attention: {"longest": the most keys ShortAttention runs scores_attention at
+    (scores_longest), "times", "key"}, timed once a machine and kept on disk as the fp32 and int8 engines are
+    (duolm.engines.kept_choice, kind "attention")."""
+    def measure():
+        times = time_attention()
+        longest = scores_longest(times)
+        return {"longest": longest, "times": json_times(times)}, ShortAttention.runs(longest)
+    return kept_choice("attention", cache, measure, lambda kept: type(kept.get("longest")) is int)
+
+
+class ShortAttention(SelfAttention):
+    """SelfAttention's numbers (within 1e-5) by scores_attention (baddbmm, softmax, bmm) up to `longest` keys, where
+    those three calls ran faster than SDPA's fused kernel on this machine (attention_choice()), and by SDPA above;
+    training forwards (self.training, autograd on q), dtypes other than fp32 and devices other than the CPU take
+    SelfAttention's path."""
+
+    def __init__(self, longest: int, dropout: float = 0.0):
+        super().__init__(dropout)
+        self.longest = longest
+
+    @staticmethod
+    def runs(longest: int) -> str:
+        """What a ShortAttention of `longest` runs, in words."""
+        return f"scores_attention up to {longest} keys, SDPA above" if longest else "SDPA at every length"
+
+    def forward(self, q, k, v, mask=None):
+        if (k.shape[2] <= self.longest and q.dtype == torch.float32 and q.device.type == "cpu"
+                and not (self.training or q.requires_grad)):
+            return scores_attention(q, k, v, mask)
+        return super().forward(q, k, v, mask)
+
+    def extra_repr(self):
+        return self.runs(self.longest)
+
+
 def engines_report() -> dict:
     """What runs the matmuls on this CPU, as quantize() would swap them in (timing the engines first if this machine
-    has no choice kept yet): the machine, the fp32 and int8 engines with their timings, attention's engine."""
+    has no choice kept yet): the machine, the fp32 and int8 engines with their timings, attention's engines (GPT-2's
+    decoding; BERT's, ShortAttention's, with its timings under "bert_attention")."""
+    decoding = "duolm" if kernels.ready() else "torch (SDPA, the formula when compiled)"
+    bert = attention_choice()
     return {"machine": machine(), "fp32": fp32_choice(), "int8": int8_choice(),
-            "attention": "duolm" if kernels.ready() else "torch (SDPA, the formula when compiled)"}
+            "attention": f"{decoding}; BERT's: {ShortAttention.runs(bert['longest'])} (timed on this machine)",
+            "bert_attention": bert}
 
 
 def _swap(precision: str, device: torch.device):
@@ -272,9 +372,10 @@ def quantize(model: nn.Module, precision: str) -> nn.Module:
     """Swaps, in place, every nn.Linear of `model` and its tied output layers (TiedLinear) for the module that runs
     `precision` ("fp32", "bf16", "int8": see the module docstring) and returns the model, in eval mode: a model for
     inference, its linears' weights now buffers in the form they run in (save the model before, not after:
-    duolm.save refuses one), and on a CPU where duolm.kernels run GPT-2's one-query attention their kernel
-    (KernelAttention). print(model) shows what runs; the embeddings, LayerNorms and the rest stay. The first call in
-    a process may build duolm.kernels and, once on a machine, time the fp32 engines (duolm.engines): each says so."""
+    duolm.save refuses one), on a CPU where duolm.kernels run GPT-2's one-query attention their kernel
+    (KernelAttention), and on a CPU BERT's attention core ShortAttention. print(model) shows what runs; the embeddings,
+    LayerNorms and the rest stay. The first call in a process may build duolm.kernels and, once on a machine, time the
+    fp32 engines (duolm.engines) and BERT's attention (attention_choice): each says so."""
     device = next(model.parameters()).device
     swap = _swap(precision, device)
     attention = device.type == "cpu" and kernels.ready()
@@ -284,6 +385,8 @@ def quantize(model: nn.Module, precision: str) -> nn.Module:
                 setattr(parent, name, swap(child.weight, child.bias))
             elif type(child) is OneQueryAttention and attention:
                 setattr(parent, name, KernelAttention())
+            elif type(child) is SelfAttention and device.type == "cpu":
+                setattr(parent, name, ShortAttention(attention_choice()["longest"], child.dropout))
     return model.eval()
 
 

@@ -90,14 +90,16 @@ class SelfAttention(nn.Module):
 
 def scores_attention(q, k, v, mask=None):
     """SelfAttention's numbers (no dropout) as three batched products: the (B*nh, T, T) scores in one baddbmm onto
-    the additive mask (0 or -inf), their softmax, and the product with v. q, k, v (B, nh, T, hd) -> (B, nh, T, hd)."""
-    B, nh, T, hd = q.shape
+    the additive mask (0 or -inf), their softmax, and the product with v. q (B, nh, Tq, hd), k, v (B, nh, T, hd) ->
+    (B, nh, Tq, hd) (Tq = 1: Block.cls)."""
+    B, nh, Tq, hd = q.shape
+    T = k.shape[2]
     bias = torch.zeros((B, 1, 1, T), dtype=q.dtype, device=q.device)
     if mask is not None:
         bias = bias.masked_fill(~mask, float("-inf"))
-    att = torch.baddbmm(bias.expand(B, nh, T, T).reshape(B * nh, T, T), q.reshape(B * nh, T, hd),
+    att = torch.baddbmm(bias.expand(B, nh, Tq, T).reshape(B * nh, Tq, T), q.reshape(B * nh, Tq, hd),
                         k.reshape(B * nh, T, hd).transpose(1, 2), alpha=hd ** -0.5)
-    return torch.bmm(att.softmax(-1), v.reshape(B * nh, T, hd)).view(B, nh, T, hd)
+    return torch.bmm(att.softmax(-1), v.reshape(B * nh, T, hd)).view(B, nh, Tq, hd)
 
 
 class Attention(nn.Module):
