@@ -192,7 +192,8 @@ def _machine(threads: int) -> dict:
                               if line.startswith(key)), "")
     flags = field("flags").split()
     features = [name for flag, name in (("avx512f", "AVX-512"), ("avx512_bf16", "avx512_bf16"),
-                                        ("avx512_vnni", "VNNI"), ("amx_int8", "AMX")) if flag in flags]
+                                        ("avx512_vnni", "VNNI"), ("amx_int8", "AMX")) if flag in flags] \
+        or ["AVX2, FMA (no AVX-512)" if "avx2" in flags else "no AVX2"]
     return {"cpu": field("model name") or "unknown", "cores": os.cpu_count(), "features": ", ".join(features),
             "threads": threads}
 
