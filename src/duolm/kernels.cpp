@@ -22,7 +22,6 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -113,8 +112,8 @@ void fp32_tile(const float* __restrict xt, int64_t K, const float* __restrict w0
   store_tile<MR>(n0, N, bp, y, [&](int i, int j, int64_t, int64_t) { return j ? acc1[i] : acc0[i]; });
 }
 
-// x (M, K) as a (..., K) tensor's rows -> their chunks interleaved for the tiles, `per` values of T a step of k:
-// chunk c holds rows c*CHUNK .. as [k][row]
+// the M rows of x (K values of T each) -> their chunks interleaved for the tiles: chunk c holds rows
+// c*CHUNK .. as [k][row]
 template <class T>
 at::Tensor interleave(const T* x, int64_t M, int64_t K, const at::TensorOptions& options) {
   auto out = at::empty({(M + CHUNK - 1) / CHUNK * CHUNK * K * static_cast<int64_t>(sizeof(T))}, options.dtype(at::kByte));
