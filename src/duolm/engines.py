@@ -173,29 +173,32 @@ def candidates(kind: str = "fp32") -> dict:
 
 def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5,
                  budget: float = 2.0) -> dict:
-    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`, fewer where they pass `budget`
-    seconds: an engine far slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind`
-    candidates, on weights of 4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from
-    memory, as decoding a real model streams them."""
+    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`, the candidates alternating so
+    that a burst of other load slows them alike; an engine's repeats end once they pass `budget` seconds: one far
+    slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind` candidates, on weights of
+    4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from memory, as decoding a real
+    model streams them."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(4096, 4096, generator=g) * 0.02 for _ in range(max(1, megabytes // 64))]
-    times: dict = {}
+    engines = candidates(kind)
+    times: dict = {name: {} for name in engines}
     with torch.inference_mode():
-        for name, (prepare, run) in candidates(kind).items():
-            forms = [prepare(w) for w in weights]
-            for m in rows:
-                x = torch.randn(m, 4096, generator=g)
-                run(x, forms[0])                                        # a first call builds oneDNN's kernel
-                best, began = float("inf"), time.perf_counter()
-                for _ in range(repeats):
+        forms = {name: [prepare(w) for w in weights] for name, (prepare, _) in engines.items()}
+        for m in rows:
+            x = torch.randn(m, 4096, generator=g)
+            spent = dict.fromkeys(engines, 0.0)
+            for name, (_, run) in engines.items():
+                run(x, forms[name][0])                                  # a first call builds oneDNN's kernel
+            for _ in range(repeats):
+                for name, (_, run) in engines.items():
+                    if spent[name] > budget:
+                        continue
                     start = time.perf_counter()
-                    for f in forms:
+                    for f in forms[name]:
                         run(x, f)
-                    best = min(best, time.perf_counter() - start)
-                    if time.perf_counter() - began > budget:
-                        break
-                times.setdefault(name, {})[m] = best
-            del forms
+                    took = time.perf_counter() - start
+                    spent[name] += took
+                    times[name][m] = min(times[name].get(m, took), took)
     return times
 
 
