@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=25 tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/tokenizers.py
