@@ -12,8 +12,9 @@ resumed run, an evaluation and a server compute the same numbers bit for bit). T
                     # FEW_ROWS rows (decoding: a token of each sequence) and the one for more (prompts, encoders)
     int8_choice()   # the same for int8
 
-"few" is timed at 1 and 8 rows, "wide" at 512 rows, on weights of 256 MB in all (fp32; 64 MB as int8): more than a
-CPU's last-level cache, so that, as when decoding a real model, every product streams its weight from memory. An
+"few" is timed at 1 and 8 rows, "wide" at 512 rows, on a 768-wide model's MLP matrices, 256 MB in all (fp32; 64 MB as
+int8): more than a CPU's last-level cache, so that, as when decoding a real model, every product streams its weight
+from memory, and an engine's work around the product weighs as it does in such a model. An
 engine wins by more than 3% or the earlier one in the order above stays (a tie is noise). The choice is kept under the
 key of what decides it (the CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a
 file that is missing, unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one
@@ -175,27 +176,30 @@ def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, rep
                  budget: float = 2.0) -> dict:
     """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`, the candidates alternating so
     that a burst of other load slows them alike; an engine's repeats end once they pass `budget` seconds: one far
-    slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind` candidates, on weights of
-    4096 x 4096 (64 MB each in fp32) adding up to `megabytes`: the weights streamed from memory, as decoding a real
-    model streams them."""
+    slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind` candidates, on the MLP
+    matrices of a 768-wide model (GPT-2 124M, BERT-base: 3072 x 768 and 768 x 3072, 9 MB each in fp32) adding up to
+    `megabytes`: the weights streamed from memory, as decoding a real model streams them, and the work around a
+    product (an int8 engine's quantization) in its proportion to the product at such widths."""
     g = torch.Generator().manual_seed(0)
-    weights = [torch.randn(4096, 4096, generator=g) * 0.02 for _ in range(max(1, megabytes // 64))]
+    n = max(2, megabytes * 2**20 // (3072 * 768 * 4) // 2 * 2)
+    weights = [torch.randn(*((3072, 768) if i % 2 else (768, 3072)), generator=g) * 0.02 for i in range(n)]
     engines = candidates(kind)
     times: dict = {name: {} for name in engines}
     with torch.inference_mode():
         forms = {name: [prepare(w) for w in weights] for name, (prepare, _) in engines.items()}
         for m in rows:
-            x = torch.randn(m, 4096, generator=g)
+            xs = [torch.randn(m, w.shape[1], generator=g) for w in weights[:2]]
             spent = dict.fromkeys(engines, 0.0)
             for name, (_, run) in engines.items():
-                run(x, forms[name][0])                                  # a first call builds oneDNN's kernel
+                for x, f in zip(xs, forms[name]):
+                    run(x, f)                                           # a first call builds oneDNN's kernel
             for _ in range(repeats):
                 for name, (_, run) in engines.items():
                     if spent[name] > budget:
                         continue
                     start = time.perf_counter()
-                    for f in forms[name]:
-                        run(x, f)
+                    for i, f in enumerate(forms[name]):
+                        run(xs[i % 2], f)
                     took = time.perf_counter() - start
                     spent[name] += took
                     times[name][m] = min(times[name].get(m, took), took)
@@ -229,10 +233,10 @@ def choose(times: dict, kind: str = "fp32", margin: float = 0.03) -> dict:
 
 def machine_key() -> str:
     """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads, and
-    duolm's kernels (whether they run here, their source: a new kernel is timed anew)."""
+    duolm's kernels (whether they run here, their source: a new kernel is timed anew) and this file (the timing)."""
     parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
              torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
-             str(kernels.ready()), hashlib.sha256(kernels.SOURCE.read_bytes()).hexdigest()]
+             str(kernels.ready()), *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (kernels.SOURCE, Path(__file__)))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
