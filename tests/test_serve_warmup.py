@@ -1,6 +1,7 @@
 """duolm serve --compile builds every shape before it serves (serve/warmup.py): /health answers 503 with the progress
 and the model's routes 503 with Retry-After until the shapes are built, 200 after; then a row joining with new shapes
 (a longer prompt's bucketed prefill, the batch of 2) compiles nothing and leaves no gap in a running row's tokens."""
+import logging
 import threading
 import time
 
@@ -10,10 +11,9 @@ from torch._dynamo.utils import counters   # test-only: dynamo's own count of th
 
 import duolm
 from duolm.generation import static
-from duolm.models import GPT2, GPT2Config
 from duolm.serve import warmup
 from duolm.serve.scheduler import Row, Scheduler, Sink
-from test_serve import sharpen, tiny_gpt2
+from test_serve import tiny_gpt2
 
 pytest.importorskip("fastapi")
 from fastapi.testclient import TestClient  # noqa: E402
@@ -48,31 +48,70 @@ def test_shapes_worked_example():
     assert [warmup.batch_bucket(b, 5) for b in range(1, 6)] == [1, 2, 4, 4, 5]
 
 
-def test_health_is_503_until_the_shapes_are_built(data_dir, monkeypatch, caplog):
-    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
-    gate, real = threading.Event(), warmup.warm_up
+class _Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines = []
 
-    def held(sched):           # the warm-up waits for the test to look first
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+BODY = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def warmed(data_dir):
+    """(client, scheduler, seen): a --compile app of a 2-row tiny GPT-2 over a 32-token window (a structure no other
+    test of this process compiles), one warm-up for both tests below (each shape takes seconds to build). The warm-up
+    waits until /health and a completion were asked first; `seen` holds those answers, the statuses /health gave
+    while it ran, and duolm.serve's log lines until it was done."""
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    gate, real, made, log = threading.Event(), warmup.warm_up, [], _Lines()
+
+    def held(sched):           # the warm-up waits for the fixture to look first
         assert gate.wait(60)
         real(sched)
-    monkeypatch.setattr("duolm.serve.scheduler.warm_up", held)
-    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
-    with caplog.at_level("WARNING", "duolm.serve"), \
-            TestClient(create_app(tiny_gpt2(block_size=32), tok, ServeConfig(max_concurrency=2, compile=True))) as c:
-        r = c.get("/health")
-        assert r.status_code == 503 and r.json() == {"status": "warming up", "detail": "not started"}
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-        assert r.json()["error"]["message"].startswith("the server is warming up: not started")
-        gate.set()
-        deadline = time.monotonic() + 600
-        while (r := c.get("/health")).status_code == 503:
-            assert r.json()["status"] == "warming up" and time.monotonic() < deadline
-            time.sleep(0.05)
-        assert r.json() == {"status": "ok"}
-        r = c.post("/v1/completions", json=body)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-    lines = [rec.getMessage() for rec in caplog.records if rec.name == "duolm.serve"]
+
+    class Kept(Scheduler):      # the app's scheduler, which test_a_new_shape_stalls_no_running_row gives rows
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+    logging.getLogger("duolm.serve").addHandler(log)
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("duolm.serve.scheduler.warm_up", held)
+        mp.setattr("duolm.serve.app.Scheduler", Kept)
+        mp.setattr(static.StaticDecoder, "keep_faster", False)   # conftest's compiled_steps_kept, for the module
+        torch.set_num_threads(1)                                 # and its one_thread
+        try:
+            with TestClient(create_app(tiny_gpt2(block_size=32), tok,
+                                       ServeConfig(max_concurrency=2, compile=True))) as c:
+                seen = {"health": c.get("/health"), "completion": c.post("/v1/completions", json=BODY), "during": []}
+                gate.set()
+                deadline = time.monotonic() + 600
+                while (r := c.get("/health")).status_code == 503 and time.monotonic() < deadline:
+                    seen["during"].append(r.json()["status"])
+                    time.sleep(0.05)
+                seen["ready"], seen["lines"] = r, list(log.lines)
+                yield c, made[0], seen
+        finally:
+            gate.set()
+            torch.set_num_threads(threads)
+            logging.getLogger("duolm.serve").removeHandler(log)
+
+
+def test_health_is_503_until_the_shapes_are_built(warmed):
+    c, _, seen = warmed
+    r = seen["health"]
+    assert r.status_code == 503 and r.json() == {"status": "warming up", "detail": "not started"}
+    r = seen["completion"]
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["error"]["message"].startswith("the server is warming up: not started")
+    assert set(seen["during"]) <= {"warming up"} and seen["ready"].json() == {"status": "ok"}
+    r = c.post("/v1/completions", json=BODY)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    lines = seen["lines"]
     assert [line.split(" (")[0] for line in lines if line.startswith("duolm serve: compiled")] == [
         "duolm serve: compiled 1/4: the decode step of batch 1, cache length 32",
         "duolm serve: compiled 2/4: the decode step of batch 2, cache length 32",
@@ -91,30 +130,21 @@ class _Done(Sink):
         self.event.set()
 
 
-def test_a_new_shape_stalls_no_running_row():
+def test_a_new_shape_stalls_no_running_row(warmed):
     """Row A streams (prompt bucket 16, batch 1); after its third token row B joins with a 20-token prompt (bucket 32)
-    and makes the batch 2: both new shapes, built at warm-up. Nothing is compiled after the scheduler is ready and no
-    gap between A's tokens (when each was drawn) exceeds GAP_BOUND_S. A model of its own structure: no other test of
-    this process compiled its shapes."""
-    model = sharpen(GPT2(GPT2Config(vocab_size=97, block_size=32, n_layer=2, n_head=2, n_embd=16)).eval())
-    sched = Scheduler(model, max_batch=2, compile=True)
-    assert sched.warming == "not started"
+    and makes the batch 2: both new shapes, built at warm-up (`warmed`'s scheduler, of a structure no other test of
+    this process compiled). Nothing is compiled after the scheduler is ready and no gap between A's tokens (when each
+    was drawn) exceeds GAP_BOUND_S."""
+    _, sched, _ = warmed
     a = Row(prompt=[5, 6, 7], max_tokens=26, temperature=0.0, sink=_Done())
     b = Row(prompt=list(range(1, 21)), max_tokens=4, temperature=0.0, sink=_Done())
-    sched.start()
-    try:
-        deadline = time.monotonic() + 600
-        while sched.warming is not None:
-            assert time.monotonic() < deadline, sched.warming
-            time.sleep(0.05)
-        before = compiled()
-        sched.submit([a])
-        while len(a.tokens) < 3 and not a.finished:
-            time.sleep(0.001)
-        sched.submit([b])
-        assert a.sink.event.wait(120) and b.sink.event.wait(120)
-    finally:
-        sched.stop(timeout=10)
+    assert sched.warming is None
+    before = compiled()
+    sched.submit([a])
+    while len(a.tokens) < 3 and not a.finished:
+        time.sleep(0.001)
+    sched.submit([b])
+    assert a.sink.event.wait(120) and b.sink.event.wait(120)
     assert a.sink.reason == b.sink.reason == "length" and len(a.tokens) == 26
     assert a.times[2] < b.times[0] < a.times[-1]            # B drew its tokens while A ran
     assert compiled() == before
