@@ -67,9 +67,20 @@ def sets(data_dir, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+# What this module builds once for test_prefix.py too: it imports these fixtures, and pytest would build them
+# again for that module.
+_SHARED: dict = {}
+
+
 @pytest.fixture(scope="module")
 def trained(data_dir, tmp_path_factory):
     """(model, tokenizer, duolm dir, HF dir): a tiny GPT-2 trained for 60 steps on the sets' gold answers."""
+    if "trained" not in _SHARED:
+        _SHARED["trained"] = _train(data_dir, tmp_path_factory.mktemp("models"))
+    return _SHARED["trained"]
+
+
+def _train(data_dir: Path, root: Path):
     tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
     text = ""
     for file in ("piqa.jsonl", "arc_easy.jsonl", "copa.jsonl"):
@@ -90,7 +101,6 @@ def trained(data_dir, tmp_path_factory):
         opt.step()
         opt.zero_grad()
     model.eval()
-    root = tmp_path_factory.mktemp("models")
     return (model, tok, duolm.save(model, root / "tiny-mc", tok),
             duolm.save(model, root / "hf", tokenizer=tok, format="hf"))
 
@@ -169,15 +179,33 @@ def _api_window(model, tok, item) -> dict:
     return {"lls": lls, **item_metrics(lls, list(item.chars), [len(c) for _, c in pairs], item.gold)}
 
 
-def test_scores_equal_lm_eval_local_completions_against_duolm_serve(trained, sets, ours, tmp_path):
-    pytest.importorskip("fastapi")
+def served_lm_eval(model_dir: Path, sets: dict[str, Path], folder: Path, *flags: str) -> dict:
+    """lm-eval's local-completions against `duolm serve MODEL *flags` on `sets`: {task: samples}, and "metrics" the
+    server's /metrics (JSON) after."""
+    import httpx
     from test_serve_e2e import server
-    model, tok, model_dir, _ = trained
-    tasks = _write_tasks(tmp_path / "tasks", sets)
-    with server(model_dir, tmp_path / "serve.log") as (url, _):
+    tasks = _write_tasks(folder / "tasks", sets)
+    with server(model_dir, folder / "serve.log", *flags) as (url, _):
         # max_length: the server feeds the whole prompt (it draws a token after it), so at most BLOCK tokens
         args = f"base_url={url}/v1/completions,model={model_dir.name},max_length={BLOCK + 1},num_concurrent=4,max_retries=1"
-        samples = _lm_eval("local-completions", args, tasks, tmp_path / "tasks", tmp_path / "out")
+        samples = _lm_eval("local-completions", args, tasks, folder / "tasks", folder / "out")
+        samples["metrics"] = httpx.get(url + "/metrics?format=json").json()
+    return samples
+
+
+@pytest.fixture(scope="module")
+def served(trained, sets, tmp_path_factory) -> dict:
+    """served_lm_eval on every set, the server's prefix cache on (its default): once for this module's comparison
+    with duolm and test_prefix.py's with the cache off."""
+    pytest.importorskip("fastapi")
+    if "served" not in _SHARED:
+        _SHARED["served"] = served_lm_eval(trained[2], sets, tmp_path_factory.mktemp("served"))
+    return _SHARED["served"]
+
+
+def test_scores_equal_lm_eval_local_completions_against_duolm_serve(trained, sets, ours, served):
+    model, tok, _, _ = trained
+    samples = served
     api = {name: {"items": [_api_window(model, tok, item) for item in read_items(path)[1]]} for name, path in sets.items()}
     _assert_same(samples, api, rel=1e-4)
     differ = [(name, k) for name in sets for k, (a, b) in enumerate(zip(api[name]["items"], ours[name]["items"]))
