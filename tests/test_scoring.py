@@ -46,29 +46,43 @@ def blimp_slice(data_dir, tmp_path_factory):
     return folder
 
 
-def _minicons(model_dir: Path, kind: str, sentences: list[str], pll: str | None, tmp_path: Path) -> list[float]:
-    """minicons' summed scores of `sentences`, in a process of its own."""
+KINDS = [("gpt2", None), ("bert", "original"), ("bert", "within_word_l2r")]     # minicons' PLL metrics
+
+
+def _sentences(pairs: list[dict]) -> list[str]:
+    """The BLiMP pairs' sentences, good then bad, and sentences with many-piece words."""
+    return [s for p in pairs for s in (p["sentence_good"], p["sentence_bad"])] + [
+        "Unbelievably, the antidisestablishmentarianism persisted.", "A b.", "naïve café owners' co-operation"]
+
+
+@pytest.fixture(scope="module")
+def minicons(tokenizers, blimp_slice, tmp_path_factory) -> dict:
+    """(kind, pll) -> minicons' summed score of each of _sentences, for each of KINDS, on _models()' HF exports; all
+    in one process of its own (minicons' import takes seconds)."""
+    folder = tmp_path_factory.mktemp("minicons")
+    for model, tok, name in zip(_models(), tokenizers, ("gpt2", "bert")):
+        duolm.save(model, folder / name, tokenizer=tok, format="hf")
+    (folder / "sentences.json").write_text(json.dumps(_sentences(read_blimp(blimp_slice))))
+    (folder / "jobs.json").write_text(json.dumps([(str(folder / kind), kind, pll) for kind, pll in KINDS]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(sys.prefix) / "minicons-reference"),
                                                          str(qa_reference())])}
-    path = tmp_path / "sentences.json"
-    path.write_text(json.dumps(sentences))
-    r = subprocess.run([sys.executable, str(Path(__file__).with_name("minicons_scores.py")), str(model_dir), kind,
-                        str(path)] + ([pll] if pll else []), env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("minicons_scores.py")),
+                        str(folder / "sentences.json"), str(folder / "jobs.json")],
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return dict(zip(KINDS, json.loads(r.stdout.strip().splitlines()[-1])))
 
 
-@pytest.mark.parametrize("kind,pll", [("gpt2", None), ("bert", "original"), ("bert", "within_word_l2r")])
-def test_scores_and_blimp_items_equal_minicons(kind, pll, tokenizers, blimp_slice, tmp_path):
+@pytest.mark.parametrize("kind,pll", KINDS)
+def test_scores_and_blimp_items_equal_minicons(kind, pll, tokenizers, blimp_slice, minicons):
     """Every sentence's score within 1e-4 nats of minicons' (GPT-2 with bos_token=True; BERT's PLL `original` and
     `within_word_l2r`) on the BLiMP pairs and sentences with many-piece words, and every BLiMP pair judged alike."""
     gpt, bert = _models()
     model, tok = (gpt, tokenizers[0]) if kind == "gpt2" else (bert, tokenizers[1])
     pairs = read_blimp(blimp_slice)
-    sentences = [s for p in pairs for s in (p["sentence_good"], p["sentence_bad"])] + [
-        "Unbelievably, the antidisestablishmentarianism persisted.", "A b.", "naïve café owners' co-operation"]
-    duolm.save(model, tmp_path / "hf", tokenizer=tok, format="hf")
-    theirs = _minicons(tmp_path / "hf", kind, sentences, pll, tmp_path)
+    sentences = _sentences(pairs)
+    theirs = minicons[(kind, pll)]
+    assert len(theirs) == len(sentences)
     ours = [r["score"] for r in score_sentences(model, tok, sentences, pll=(pll or "original").replace("_", "-"))]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-4
     if pll == "within_word_l2r":            # the variants differ where a word has several pieces
