@@ -14,13 +14,13 @@ resumed run, an evaluation and a server compute the same numbers bit for bit). T
 
 "few" is timed at 1 and 8 rows, "wide" at 512 rows, on a 768-wide model's MLP matrices, 256 MB in all (fp32; 64 MB as
 int8): more than a CPU's last-level cache, so that, as when decoding a real model, every product streams its weight
-from memory, and an engine's work around the product weighs as it does in such a model. An
-engine wins by more than 3% or the earlier one in the order above stays (a tie is noise). The choice is kept under the
-key of what decides it (the CPU's model and flags, the vector width torch dispatches, torch's version, the threads); a
-file that is missing, unreadable or for another key is measured again (~10 s with the packing) and rewritten, with one
-line on stderr. duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints it. kept_choice keeps
-any choice of the machine so (duolm.precision.attention_choice: the lengths at which BERT's attention runs as three
-products rather than SDPA).
+from memory, and an engine's work around the product weighs as it does in such a model. An engine wins by more than
+3% or the earlier one in the order above stays (a tie is noise). The choice is kept under the key of what decides it
+(the CPU's model and flags, the vector width torch dispatches, torch's version, the threads, the kernels' source and
+this file's); a file that is missing, unreadable or for another key is measured again (~10 s with the packing) and
+rewritten, with one line on stderr. duolm.precision's quantize() asks for it, the visible moment; `duolm env` prints
+it. kept_choice keeps any choice of the machine so (duolm.precision.attention_choice: the lengths at which BERT's
+attention runs as three products rather than SDPA).
 """
 from __future__ import annotations
 
