@@ -4,6 +4,7 @@ partial scoring) and HellaSwag items written here in the raw form, through lm-ev
 GPT-2 (GPT-2's vocabulary, a 72-token window so that long items are left-truncated) is trained here for a few
 steps on the sets' text; lm_eval scores its HF export (`--model hf`) and `duolm serve` (`local-completions`)
 from YAML task files written here; acc and acc_norm must equal duolm's item for item."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -115,20 +116,36 @@ def _write_tasks(folder: Path, sets: dict[str, Path]) -> list[str]:
     return [f"duolm_mc_{name}" for name in sets]
 
 
-def _lm_eval(model_kind: str, model_args: str, tasks: list[str], include: Path, out: Path) -> dict:
-    """python -m lm_eval ... --log_samples -> {task: [per-doc sample, by doc_id]}."""
+def _lm_eval_start(model_kind: str, model_args: str, tasks: list[str], include: Path, out: Path) -> subprocess.Popen:
+    """python -m lm_eval ... --log_samples, started (its output to out/lm_eval.log: no pipe to fill while another
+    process is waited for)."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_CACHE": str(out / "datasets")}
-    run = subprocess.run([sys.executable, "-m", "lm_eval", "--model", model_kind, "--model_args", model_args,
-                          "--tasks", ",".join(tasks), "--include_path", str(include), "--output_path", str(out),
-                          "--log_samples"], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "lm_eval.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "lm_eval", "--model", model_kind, "--model_args", model_args,
+                                 "--tasks", ",".join(tasks), "--include_path", str(include), "--output_path", str(out),
+                                 "--log_samples"], env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def _lm_eval_samples(run: subprocess.Popen, tasks: list[str], out: Path) -> dict:
+    """_lm_eval_start's run, waited for -> {task: [per-doc sample, by doc_id]}."""
+    try:
+        run.wait(timeout=900)
+    finally:
+        run.kill()
+    assert run.returncode == 0, (out / "lm_eval.log").read_text(errors="replace")[-8000:]
     samples = {}
     for task in tasks:
         (path,) = out.rglob(f"samples_{task}_*.jsonl")
         samples[task] = sorted((json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()),
                                key=lambda s: s["doc_id"])
     return samples
+
+
+def _lm_eval(model_kind: str, model_args: str, tasks: list[str], include: Path, out: Path) -> dict:
+    """python -m lm_eval ... --log_samples -> {task: [per-doc sample, by doc_id]}."""
+    return _lm_eval_samples(_lm_eval_start(model_kind, model_args, tasks, include, out), tasks, out)
 
 
 def _assert_same(samples: dict, ours: dict, rel: float):
@@ -148,12 +165,9 @@ def ours(trained, sets):
             for name, path in sets.items()}
 
 
-def test_scores_equal_lm_eval_hf_item_for_item(trained, sets, ours, tmp_path):
-    import lm_eval  # noqa: F401  (a test dependency: missing, this test fails)
-    _, tok, _, hf_dir = trained
-    tasks = _write_tasks(tmp_path / "tasks", sets)
-    samples = _lm_eval("hf", f"pretrained={hf_dir},dtype=float32,max_length={BLOCK}", tasks, tmp_path / "tasks",
-                       tmp_path / "out")
+def test_scores_equal_lm_eval_hf_item_for_item(trained, sets, ours, runs):
+    _, tok, _, _ = trained
+    samples = runs["hf"]
     _assert_same(samples, ours, rel=1e-5)
     # the inputs are lm-eval's: HellaSwag's query and " " + ending after its preprocessing, WSC's partial scoring
     first = samples["duolm_mc_hellaswag"][0]["arguments"]
@@ -194,13 +208,32 @@ def served_lm_eval(model_dir: Path, sets: dict[str, Path], folder: Path, *flags:
 
 
 @pytest.fixture(scope="module")
-def served(trained, sets, tmp_path_factory) -> dict:
-    """served_lm_eval on every set, the server's prefix cache on (its default): once for this module's comparison
-    with duolm and test_prefix.py's with the cache off."""
-    pytest.importorskip("fastapi")
-    if "served" not in _SHARED:
-        _SHARED["served"] = served_lm_eval(trained[2], sets, tmp_path_factory.mktemp("served"))
-    return _SHARED["served"]
+def runs(trained, sets, tmp_path_factory) -> dict:
+    """lm-eval on every set: "hf" its `--model hf` on the HF export, "served" served_lm_eval (the server's prefix
+    cache on, its default; None without fastapi), side by side (each mostly one thread of one process: lm-eval's
+    start takes seconds). Once for this module and test_prefix.py's comparison with the cache off."""
+    import lm_eval  # noqa: F401  (a test dependency: missing, this test fails)
+    if "runs" not in _SHARED:
+        folder = tmp_path_factory.mktemp("lm-eval")
+        tasks = _write_tasks(folder / "tasks", sets)
+        hf = _lm_eval_start("hf", f"pretrained={trained[3]},dtype=float32,max_length={BLOCK}", tasks,
+                            folder / "tasks", folder / "hf")
+        (folder / "served").mkdir()
+        try:
+            served = served_lm_eval(trained[2], sets, folder / "served") if importlib.util.find_spec("fastapi") \
+                else None
+        except BaseException:
+            hf.kill()
+            raise
+        _SHARED["runs"] = {"hf": _lm_eval_samples(hf, tasks, folder / "hf"), "served": served}
+    return _SHARED["runs"]
+
+
+@pytest.fixture(scope="module")
+def served(runs) -> dict:
+    if runs["served"] is None:
+        pytest.skip("fastapi is not installed: no duolm serve")
+    return runs["served"]
 
 
 def test_scores_equal_lm_eval_local_completions_against_duolm_serve(trained, sets, ours, served):

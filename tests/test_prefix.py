@@ -7,7 +7,7 @@ import torch
 
 from duolm.serve.prefix import PrefixCache
 from duolm.serve.scheduler import Row, Scheduler
-from test_mc import N, served, served_lm_eval, sets, trained  # noqa: F401
+from test_mc import N, runs, served, served_lm_eval, sets, trained  # noqa: F401
 from test_serve import tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
