@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -207,25 +208,35 @@ def served_lm_eval(model_dir: Path, sets: dict[str, Path], folder: Path, *flags:
     return samples
 
 
+PREFIX_SETS = ("piqa", "arc_easy", "copa")          # test_prefix.py's comparison with the prefix cache off
+
+
 @pytest.fixture(scope="module")
 def runs(trained, sets, tmp_path_factory) -> dict:
     """lm-eval on every set: "hf" its `--model hf` on the HF export, "served" served_lm_eval (the server's prefix
-    cache on, its default; None without fastapi), side by side (each mostly one thread of one process: lm-eval's
-    start takes seconds). Once for this module and test_prefix.py's comparison with the cache off."""
+    cache on, its default), and "plain" served_lm_eval --no-prefix-cache on PREFIX_SETS (for test_prefix.py), all
+    side by side (each mostly one thread of one process: lm-eval's start takes seconds); once for this module and
+    test_prefix.py. "served" and "plain" None without fastapi."""
     import lm_eval  # noqa: F401  (a test dependency: missing, this test fails)
     if "runs" not in _SHARED:
         folder = tmp_path_factory.mktemp("lm-eval")
         tasks = _write_tasks(folder / "tasks", sets)
         hf = _lm_eval_start("hf", f"pretrained={trained[3]},dtype=float32,max_length={BLOCK}", tasks,
                             folder / "tasks", folder / "hf")
-        (folder / "served").mkdir()
         try:
-            served = served_lm_eval(trained[2], sets, folder / "served") if importlib.util.find_spec("fastapi") \
-                else None
+            served = dict.fromkeys(("served", "plain"))
+            if importlib.util.find_spec("fastapi"):
+                (folder / "served").mkdir()
+                (folder / "plain").mkdir()
+                with ThreadPoolExecutor(2) as pool:          # threads that wait on the processes
+                    cached = pool.submit(served_lm_eval, trained[2], sets, folder / "served")
+                    plain = pool.submit(served_lm_eval, trained[2], {k: sets[k] for k in PREFIX_SETS},
+                                        folder / "plain", "--no-prefix-cache")
+                    served = {"served": cached.result(), "plain": plain.result()}
         except BaseException:
             hf.kill()
             raise
-        _SHARED["runs"] = {"hf": _lm_eval_samples(hf, tasks, folder / "hf"), "served": served}
+        _SHARED["runs"] = {"hf": _lm_eval_samples(hf, tasks, folder / "hf"), **served}
     return _SHARED["runs"]
 
 

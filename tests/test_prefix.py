@@ -7,7 +7,7 @@ import torch
 
 from duolm.serve.prefix import PrefixCache
 from duolm.serve.scheduler import Row, Scheduler
-from test_mc import N, runs, served, served_lm_eval, sets, trained  # noqa: F401
+from test_mc import N, PREFIX_SETS, runs, served, sets, trained  # noqa: F401
 from test_serve import tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -142,18 +142,14 @@ def test_eviction_under_a_small_budget():
     assert sched.stats()["prefix_cache_misses"] == 4 and sched.stats()["prefix_cache_hits"] == 1
 
 
-def test_lm_eval_scores_the_same_with_and_without_the_prefix_cache(trained, sets, served, tmp_path):
+def test_lm_eval_scores_the_same_with_and_without_the_prefix_cache(served, runs):
     """lm-evaluation-harness's local-completions against `duolm serve` on the shared PIQA, ARC-Easy and COPA slices
     (test_mc's tiny trained model): the same acc and acc_norm, item for item, with the cache as without, and the
-    log-probabilities within 1e-5; the cache was hit. The run with the cache (the server's default) is test_mc's
-    `served`, shared with its comparison against duolm."""
-    import lm_eval  # noqa: F401  (a test dependency: missing, this test fails)
-    names = ("piqa", "arc_easy", "copa")
-    cached = served
-    plain = served_lm_eval(trained[2], {k: sets[k] for k in names}, tmp_path, "--no-prefix-cache")
+    log-probabilities within 1e-5; the cache was hit. Both runs are test_mc's `runs` (made there beside its own)."""
+    cached, plain = served, runs["plain"]
     assert cached["metrics"]["prefix_cache_hits"] > N and "prefix_cache_hits" not in plain["metrics"]
-    for task in (f"duolm_mc_{k}" for k in names):
-        assert len(cached[task]) == N
+    for task in (f"duolm_mc_{k}" for k in PREFIX_SETS):
+        assert len(cached[task]) == N == len(plain[task])
         for a, b in zip(cached[task], plain[task]):
             assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]), (task, a["doc_id"])
             assert [float(x[0][0]) for x in a["resps"]] == pytest.approx([float(x[0][0]) for x in b["resps"]],
