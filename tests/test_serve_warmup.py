@@ -49,12 +49,14 @@ def test_shapes_worked_example():
 
 
 class _Lines(logging.Handler):
+    """The messages of duolm.serve's own records (not its children's), WARNING and above."""
     def __init__(self):
         super().__init__(logging.WARNING)
         self.lines = []
 
     def emit(self, record):
-        self.lines.append(record.getMessage())
+        if record.name == "duolm.serve":
+            self.lines.append(record.getMessage())
 
 
 BODY = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
