@@ -229,7 +229,9 @@ at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at:
   std::vector<int32_t> words(M * KG);
   std::vector<float> lo(M), step(M);
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; ++m) quantize_row(xp + m * K, K, words.data() + m * KG, &lo[m], &step[m]);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {         // each row its own lo, step and words
+    for (int64_t m = m0; m < m1; ++m) quantize_row(xp + m * K, K, words.data() + m * KG, &lo[m], &step[m]);
+  });
   auto xq = interleave(words.data(), M, KG, x.options());
   auto y = at::empty(out_shape(x, N), x.options());
   const int32_t* qp = reinterpret_cast<const int32_t*>(xq.data_ptr<uint8_t>());
