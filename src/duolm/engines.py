@@ -172,14 +172,31 @@ def candidates(kind: str = "fp32") -> dict:
     return out
 
 
+def best_times(runs: dict, repeats: int = 5, budget: float = 2.0) -> dict:
+    """{name: the least seconds one call of runs[name]() took} after a warm-up call each, over `repeats` rounds in
+    which the runs alternate (a burst of other load slows them alike); a run's rounds end once its calls have taken
+    `budget` seconds in all (one far slower here is not timed `repeats` times over)."""
+    for run in runs.values():
+        run()
+    best, spent = {}, dict.fromkeys(runs, 0.0)
+    for _ in range(repeats):
+        for name, run in runs.items():
+            if spent[name] > budget:
+                continue
+            start = time.perf_counter()
+            run()
+            took = time.perf_counter() - start
+            spent[name] += took
+            best[name] = min(best.get(name, took), took)
+    return best
+
+
 def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, repeats: int = 5,
                  budget: float = 2.0) -> dict:
-    """{engine: {rows: seconds for one product of each weight}} (the best of `repeats`, the candidates alternating so
-    that a burst of other load slows them alike; an engine's repeats end once they pass `budget` seconds: one far
-    slower here, as torch._int_mm without VNNI, is not timed five times over) for the `kind` candidates, on the MLP
-    matrices of a 768-wide model (GPT-2 124M, BERT-base: 3072 x 768 and 768 x 3072, 9 MB each in fp32) adding up to
-    `megabytes`: the weights streamed from memory, as decoding a real model streams them, and the work around a
-    product (an int8 engine's quantization) in its proportion to the product at such widths."""
+    """{engine: {rows: seconds for one product of each weight}} (best_times: the candidates alternating) for the
+    `kind` candidates, on the MLP matrices of a 768-wide model (GPT-2 124M, BERT-base: 3072 x 768 and 768 x 3072, 9 MB
+    each in fp32) adding up to `megabytes`: the weights streamed from memory, as decoding a real model streams them,
+    and the work around a product (an int8 engine's quantization) in its proportion to the product at such widths."""
     g = torch.Generator().manual_seed(0)
     n = max(2, megabytes * 2**20 // (3072 * 768 * 4) // 2 * 2)
     weights = [torch.randn(*((3072, 768) if i % 2 else (768, 3072)), generator=g) * 0.02 for i in range(n)]
@@ -189,20 +206,10 @@ def time_engines(kind: str = "fp32", rows=(1, 8, 512), megabytes: int = 256, rep
         forms = {name: [prepare(w) for w in weights] for name, (prepare, _) in engines.items()}
         for m in rows:
             xs = [torch.randn(m, w.shape[1], generator=g) for w in weights[:2]]
-            spent = dict.fromkeys(engines, 0.0)
-            for name, (_, run) in engines.items():
-                for x, f in zip(xs, forms[name]):
-                    run(x, f)                                           # a first call builds oneDNN's kernel
-            for _ in range(repeats):
-                for name, (_, run) in engines.items():
-                    if spent[name] > budget:
-                        continue
-                    start = time.perf_counter()
-                    for i, f in enumerate(forms[name]):
-                        run(xs[i % 2], f)
-                    took = time.perf_counter() - start
-                    spent[name] += took
-                    times[name][m] = min(times[name].get(m, took), took)
+            runs = {name: lambda run=run, fs=forms[name]: [run(xs[i % 2], f) for i, f in enumerate(fs)]
+                    for name, (_, run) in engines.items()}
+            for name, t in best_times(runs, repeats, budget).items():
+                times[name][m] = t
     return times
 
 
@@ -236,7 +243,8 @@ def machine_key() -> str:
     duolm's kernels (whether they run here, their source: a new kernel is timed anew) and this file (the timing)."""
     parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
              torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
-             str(kernels.ready()), *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (kernels.SOURCE, Path(__file__)))]
+             str(kernels.ready()),
+             *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (kernels.SOURCE, Path(__file__)))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from duolm import kernels
-from duolm.engines import (FEW_ROWS, fp32_choice, int8_choice, int8_mm, int8_rows, json_times, kept_choice, on_rows,
-                           onednn_linear, onednn_rows, onednn_runs, pack_onednn)
+from duolm.engines import (FEW_ROWS, best_times, fp32_choice, int8_choice, int8_mm, int8_rows, json_times, kept_choice,
+                           on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn)
 from duolm.kernels import cpuinfo as _cpuinfo
 from duolm.models.bert import SelfAttention, scores_attention
 from duolm.models.gpt2 import OneQueryAttention, TiedLinear
@@ -258,13 +257,13 @@ ATTENTION_LENGTHS = (8, 16, 32, 64, 128, 256)
 
 def time_attention(lengths=ATTENTION_LENGTHS, shape=(32, 12, 64), repeats=5, budget: float = 1.0) -> dict:
     """{"sdpa": {T: seconds}, "scores": {T: seconds}}: SelfAttention (SDPA) and scores_attention at each T of `lengths`
-    (the best of `repeats`, the two alternating, fewer where a length passes `budget` seconds; a sample runs both
-    512 // T times) on q, k, v as BERT's attention passes them: (B, nh, T, hd) views of one (B, T, 3C) projection
-    (shape = (B, nh, hd)) under its bool key mask (B, 1, 1, T), a quarter of the rows padded to half their length."""
+    (duolm.engines.best_times: the two alternating; a sample runs each 512 // T times) on q, k, v as BERT's attention
+    passes them: (B, nh, T, hd) views of one (B, T, 3C) projection (shape = (B, nh, hd)) under its bool key mask
+    (B, 1, 1, T), a quarter of the rows padded to half their length."""
     B, nh, hd = shape
     g = torch.Generator().manual_seed(0)
-    runs: dict[str, Callable[..., torch.Tensor]] = {"sdpa": SelfAttention(), "scores": scores_attention}
-    times: dict = {name: {} for name in runs}
+    attend: dict[str, Callable[..., torch.Tensor]] = {"sdpa": SelfAttention(), "scores": scores_attention}
+    times: dict = {name: {} for name in attend}
     with torch.inference_mode():
         for T in lengths:
             qkv = torch.randn(B, T, 3 * nh * hd, generator=g).split(nh * hd, dim=2)
@@ -272,17 +271,10 @@ def time_attention(lengths=ATTENTION_LENGTHS, shape=(32, 12, 64), repeats=5, bud
             mask = torch.ones(B, T, dtype=torch.bool)
             mask[:B // 4, T // 2:] = False
             mask = mask[:, None, None, :]
-            calls, began = max(1, 512 // T), time.perf_counter()
-            for run in runs.values():                   # a first call each warms up
-                run(q, k, v, mask)
-            for _ in range(repeats):
-                for name, run in runs.items():
-                    start = time.perf_counter()
-                    for _ in range(calls):
-                        run(q, k, v, mask)
-                    times[name][T] = min(times[name].get(T, float("inf")), (time.perf_counter() - start) / calls)
-                if time.perf_counter() - began > budget:
-                    break
+            calls = max(1, 512 // T)
+            runs = {name: lambda f=f: [f(q, k, v, mask) for _ in range(calls)] for name, f in attend.items()}
+            for name, t in best_times(runs, repeats, budget).items():
+                times[name][T] = t / calls
     return times
 
 
