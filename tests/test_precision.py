@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import doctest
 import json
+import time
 import types
 from pathlib import Path
 
@@ -502,6 +503,16 @@ def test_attention_is_timed_at_every_length_asked():
     assert set(times) == {"sdpa", "scores"} and all(set(t) == {4, 8} for t in times.values())
     assert all(s > 0 for t in times.values() for s in t.values())
     assert doctest.testmod(precision_module).failed == 0             # scores_longest's, wide_rows' worked examples
+
+
+def test_best_times_alternates_the_runs_and_ends_a_run_past_its_budget():
+    """best_times: a warm-up call each, then rounds in which the runs take turns; a run whose calls have taken more
+    than `budget` seconds in all sits out the rounds left; each gets the least time of its calls (a sleep's at least)."""
+    order = []
+    runs = {"a": lambda: order.append("a"), "b": lambda: (order.append("b"), time.sleep(0.02))}
+    best = engines.best_times(runs, repeats=4, budget=0.03)
+    assert order == ["a", "b", "a", "b", "a", "b", "a", "a"]
+    assert set(best) == {"a", "b"} and best["b"] >= 0.02 > best["a"]
 
 
 @pytest.mark.parametrize("kind", ["fp32", "int8"])
