@@ -55,7 +55,9 @@ inline IVec dot(IVec acc, int32_t a, const int8_t* w) {       // a: two u8 as 16
 inline Vec to_float(IVec a) { return Vec(_mm256_cvtepi32_ps(a)); }
 #endif
 
-void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// into L2 (T1): a stream's lines reach L1 on their loads; prefetched into L1 (T0) they slowed a decoding step
+// (docs/precision.md, the prefetch hint)
+void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 template <int R> using Rows = std::integral_constant<int, R>;
 
@@ -288,7 +290,7 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
         if (mp && !mp[b * mb + j * mj]) continue;
         for (int64_t d = 0; d < D; d += 16) {
           prefetch(kr + (j + PF) * k.stride(2) + d);
-          _mm_prefetch(reinterpret_cast<const char*>(vr + (j + PF) * v.stride(2) + d), _MM_HINT_T1);
+          prefetch(vr + (j + PF) * v.stride(2) + d);
         }
         Vec dot(0.0f);
         for (int64_t d = 0; d < D; d += L) {
