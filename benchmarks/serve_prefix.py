@@ -7,11 +7,11 @@
    questions cut in two, their answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
    continuation computed, over each context once plus every continuation) and the share of it, and that the
    log-probabilities agree within 1e-5.
-2. Structured output: llguidance's mask (duolm.generation.grammar.Constraint.mask: the engine's bitmask written into
-   the sequence's buffer, a byte-table lookup, added to the logits) per token and row, over sampled completions
-   (temperature 1 on random logits) under a JSON schema, a regex and a choice; all of them valid; llguidance's share
-   (Constraint.bitmask alone) and the plain mask (tests/test_structured.py's reference: the bitmask unpacked by
-   numpy) timed beside it on sequences in lockstep. Against a decoding step of the model in int8, batch 1.
+2. Structured output: what a constrained draw costs (duolm.generation.grammar: Constraint.mask, the penalty added to
+   the logits; Constraint.advance, the token consumed and llguidance's walk for the new text written into the
+   sequence's buffer, its penalty), per token and row, around a decoding
+   step of GPT-2 124M in int8 at batch 1, over sampled completions under a JSON schema, a regex and a choice, all of
+   them valid; llguidance's walk alone beside it.
 
     python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask]
 
@@ -40,7 +40,7 @@ from duolm.generation.grammar import Grammar, Vocabulary  # noqa: E402
 from duolm.malloc import huge_pages, keep_freed_memory  # noqa: E402
 from duolm.models import GPT2, GPT2Config, KVCache  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
-from test_structured import CHOICES, REGEX, SCHEMA, plain_mask, valid_json  # noqa: E402
+from test_structured import CHOICES, REGEX, SCHEMA, valid_json  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -95,49 +95,45 @@ def prefix_case(model, tok, n: int, form: str) -> dict:
             "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"]}
 
 
-def mask_case(vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
-    """Three sequences in lockstep a completion, each timed at every draw: Constraint.mask (the cost of a draw),
-    Constraint.bitmask alone (llguidance's share) and test_structured.plain_mask (the bitmask as bytes, unpacked by
-    numpy, masked_fill: the plain mask, the reference)."""
+def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
+    """Sampled completions (temperature 1 on the model's logits) under `grammar`, each draw after a decoding step of
+    the model (batch 1, one position through a KV cache, the head), as generate() draws them: what a draw costs is
+    Constraint.mask (the penalty added) and Constraint.advance (the token consumed; llguidance's walk for the new text
+    and its penalty); llguidance's walk for the same text once more, alone (LLMatcher.compute_bitmask), beside it."""
     source = vocab.compile(grammar)
     g = torch.Generator().manual_seed(0)
-    logits = torch.randn(64, vocab.vocab_size, generator=g)
     masks = tokens = valid = stopped = 0
-    seconds = {"mask": 0.0, "engine": 0.0, "plain": 0.0}
-    for k in range(completions):
-        (c, engine, plain), out = [vocab.constraint(source) for _ in range(3)], []
-        for step in range(64):
-            row = logits[step:step + 1]
-            for key, draw in (("engine", engine.bitmask), ("plain", lambda: plain_mask(plain, row[0])),
-                              ("mask", lambda: c.mask(row))):
-                t0 = time.perf_counter()
-                masked = draw()
-                seconds[key] += time.perf_counter() - t0
-            masks += 1
-            t = int(torch.multinomial(masked.softmax(-1), 1, generator=g))
-            if t == tok.eot_id or any([s.advance(t) for s in (c, engine, plain)]):
-                stopped += 1
-                out += [] if t == tok.eot_id else [t]
-                break
-            out.append(t)
-        tokens += len(out)
-        valid += ok(tok.decode(out))
-    return {"grammar": grammar.kind, "completions": completions, "valid": valid, "stopped": stopped,
-            **{f"{key}_us_per_token": 1e6 * v / masks for key, v in seconds.items()}, "tokens_mean": tokens / completions}
+    seconds = {"step": 0.0, "mask": 0.0, "advance": 0.0, "engine": 0.0}
 
+    def timed(key, f):
+        t0 = time.perf_counter()
+        out = f()
+        seconds[key] += time.perf_counter() - t0
+        return out
 
-def step_ms(model) -> float:
-    """One decoding step of batch 1 (GPT2.hidden over one new position, the head), after a 64-token prompt."""
-    cache = KVCache(model.config, 1, max_len=128)
-    one = torch.zeros(1, 1, dtype=torch.long)
     with torch.inference_mode():
-        model.hidden(torch.zeros(1, 64, dtype=torch.long), None, cache)
-        for _ in range(5):
-            model.head(model.hidden(one, None, cache)).float()
-        t0, n = time.perf_counter(), 50
-        for _ in range(n):
-            model.head(model.hidden(one, None, cache)).float()
-    return 1e3 * (time.perf_counter() - t0) / n
+        for k in range(completions):
+            c, cache = vocab.constraint(source), KVCache(model.config, 1, max_len=96)
+            ids, out = [tok.eot_id] * 8, []          # a prompt of 8 tokens
+            for _ in range(64):
+                logits = timed("step", lambda: model.head(model.hidden(torch.tensor([ids]), None, cache)[:, -1]).float())
+                masked = timed("mask", lambda: c.mask(logits))
+                timed("engine", c.matcher.compute_bitmask)
+                masks += 1
+                t = int(torch.multinomial(masked.softmax(-1), 1, generator=g))
+                if t == tok.eot_id or timed("advance", lambda: c.advance(t)):
+                    stopped += 1
+                    out += [] if t == tok.eot_id else [t]
+                    break
+                out.append(t)
+                ids = [t]
+            tokens += len(out)
+            valid += ok(tok.decode(out))
+    us = {key: 1e6 * v / masks for key, v in seconds.items()}
+    return {"grammar": grammar.kind, "completions": completions, "valid": valid, "stopped": stopped,
+            "draw_us_per_token": us["mask"] + us["advance"], "mask_us_per_token": us["mask"],
+            "advance_us_per_token": us["advance"], "engine_us_per_token": us["engine"], "step_ms": us["step"] / 1e3,
+            "share_of_step": (us["mask"] + us["advance"]) / us["step"], "tokens_mean": tokens / completions}
 
 
 def run() -> dict:
@@ -163,16 +159,16 @@ def prefix_part(args, tok) -> dict:
 
 def mask_part(args, tok) -> dict:
     model = duolm.precision.quantize(GPT2(GPT2Config.preset("gpt2")).eval(), "int8")
-    rec = {**run(), "step_precision": "int8", "step_ms": step_ms(model), "cases": []}
+    rec = {**run(), "step_precision": "int8", "cases": []}
     vocab = Vocabulary.of(tok, model.config.vocab_size)
     for grammar, ok in ((Grammar("json", SCHEMA), valid_json), (Grammar("regex", REGEX), re.compile(REGEX).fullmatch),
                         (Grammar("choice", CHOICES), CHOICES.__contains__)):
-        r = mask_case(vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)))
-        r["share_of_step"] = 1e-3 * r["mask_us_per_token"] / rec["step_ms"]
+        r = mask_case(model, vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)))
         rec["cases"].append(r)
-        print(f"mask, {r['grammar']}: {r['mask_us_per_token']:.1f} us a token and row (llguidance's bitmask "
-              f"{r['engine_us_per_token']:.1f}; the plain mask {r['plain_us_per_token']:.1f}), {r['share_of_step']:.1%} of a {rec['step_ms']:.2f} ms int8 batch-1 "
-              f"step; {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens each")
+        print(f"mask, {r['grammar']}: a draw {r['draw_us_per_token']:.1f} us a token and row (mask "
+              f"{r['mask_us_per_token']:.1f}, advance {r['advance_us_per_token']:.1f}; llguidance's walk alone "
+              f"{r['engine_us_per_token']:.1f}), {r['share_of_step']:.1%} of its int8 batch-1 step ({r['step_ms']:.2f} "
+              f"ms); {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens each")
     return rec
 
 

@@ -5,6 +5,7 @@ completions (temperature 1, a tiny random model) are valid texts of their gramma
 schema check written here, not the engine's) and end "stop" within their budget; rows with and without constraints
 decode in one batch; an all-permissive grammar draws the very ids of no grammar; the mask (llguidance's bitmask written
 in place, a table lookup a byte) equals the plain one (llguidance's bitmask as bytes, unpacked by numpy)."""
+import doctest
 import json
 import re
 
@@ -101,6 +102,43 @@ def test_the_mask_equals_the_plain_one(data_dir, V):
     assert all(c is None for c in constraints) and max(counts) > 1000 and min(counts) < 100       # dense and sparse
     assert tok.decode(texts[0]) in CHOICES and re.fullmatch(REGEX, tok.decode(texts[2]))
     assert valid_json(tok.decode(texts[3]))
+
+
+def test_a_texts_mask_is_computed_once(data_dir):
+    """llguidance walks its trie once for each text, as soon as it is known (advance(), the Constraint's creation),
+    however many times the draw reads the mask (bitmask(), penalty(), mask()): llguidance's mask of that text."""
+    from duolm.generation import grammar
+
+    assert doctest.testmod(grammar).failed == 0                     # penalty_rows' worked example
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    c = Vocabulary.of(tok, 50257).constraint(Grammar("choice", CHOICES))
+
+    class Counted:                                                  # the matcher, its walks into a buffer counted
+        walks = 0
+
+        def __init__(self, matcher):
+            self.matcher = matcher
+
+        def unsafe_compute_mask_ptr(self, *args):
+            Counted.walks += 1
+            return self.matcher.unsafe_compute_mask_ptr(*args)
+
+        def __getattr__(self, name):
+            return getattr(self.matcher, name)
+
+    c.matcher = Counted(c.matcher)
+    logits = torch.zeros(1, 50257)
+    before = None
+    for walks, t in enumerate([None, *tok.encode("mixed feelings")]):
+        if t is not None:
+            c.advance(t)
+        bits, bias, masked = c.bitmask().clone(), c.penalty(), c.mask(logits)
+        assert Counted.walks == walks and torch.equal(c.bitmask(), bits)
+        engine = np.frombuffer(c.matcher.compute_bitmask(), dtype=np.uint8)
+        assert np.array_equal(bits.numpy().view(np.uint8)[0, :len(engine)], engine)
+        assert torch.equal(masked, plain_mask(c, logits[0])[None]) and torch.equal(masked, logits + bias)
+        assert before is None or not torch.equal(bits, before)
+        before = bits
 
 
 def test_generate_text_follows_each_grammar(gpt2):

@@ -13,9 +13,13 @@ JSON schema), and needs no other package (xgrammar needs transformers). docs/ser
     logits = constraint.mask(logits)            # (1, V): disallowed tokens -inf
     done = constraint.advance(token)            # True: the text is complete, nothing may follow
 
-A draw's mask costs llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy, no
-unpacking), and one pass over the logits: each byte of the bitmask picks its eight columns' 0 or -inf from a table of
-256 rows, added to the logits (constrain: every constrained row of a batch in one op, the others copied as they are).
+A draw's mask is llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy), each
+byte of it then picking its eight tokens' 0 or -inf from a table of 256 rows (the penalty), added to the logits
+(constrain: every constrained row of a batch in one op, the others copied as they are). The walk and the penalty are
+computed once a text, as soon as it is known (a Constraint's creation, each advance()), while the parser's and the
+trie's memory is still in the CPU's caches; not after the model's forward, which leaves them cold, nor beside it on
+a thread of its own, which on a CPU whose cores torch's threads use slowed the forward by more than the walk costs
+(docs/serving.md).
 """
 from __future__ import annotations
 
@@ -127,13 +131,24 @@ class Constraint:
         self.matcher = vocab._llguidance.LLMatcher(vocab.llg, source, log_level=0)
         if self.matcher.is_error():
             raise ValueError(self.matcher.get_error())
-        self._bitmask = torch.zeros(1, vocab.words, dtype=torch.int32)     # written in place at every draw
+        self._bitmask = torch.zeros(1, vocab.words, dtype=torch.int32)     # rewritten for each text
+        self._compute()
+
+    def _compute(self) -> None:
+        """The mask of the text so far and its penalty, computed as soon as the text is known (here and in advance()):
+        the parser and the trie have just been used, and are still in the CPU's caches, which the model's forward then
+        fills with its weights (walked at the draw, after the forward, the same mask took several times as long)."""
+        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self.vocab.llg_bytes)
+        self._penalty = penalty_rows(self._bitmask, self.vocab.vocab_size)
 
     def bitmask(self) -> torch.Tensor:
         """(1, W) int32, bit t % 32 of word t // 32 set when token t may come next (end of text when the text so far
-        is complete; ids past the tokenizer's never): this sequence's buffer, rewritten at each call."""
-        self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self.vocab.llg_bytes)
+        is complete; ids past the tokenizer's never): this sequence's buffer, computed once for the text so far."""
         return self._bitmask
+
+    def penalty(self) -> torch.Tensor:
+        """(1, V) float32: 0 where bitmask() allows the token, -inf elsewhere (penalty_rows), computed with it."""
+        return self._penalty
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """logits (1, V) of this sequence's next draw -> a copy with the disallowed tokens at -inf."""
@@ -143,6 +158,7 @@ class Constraint:
         """The token drawn (one mask() allowed); True when the text is complete and nothing may follow it."""
         if not self.matcher.consume_token(token):
             raise ValueError(f"token {token} does not continue the grammar: {self.matcher.get_error()}")
+        self._compute()
         return self.matcher.is_stopped()
 
 
@@ -150,13 +166,17 @@ class Constraint:
 BYTE_TABLE = np.where(np.arange(256)[:, None] >> np.arange(8) & 1, 0.0, -np.inf).astype(np.float32)
 
 
-def penalty(bitmask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """bitmask (K, W) int32 (Constraint.bitmask's rows) -> (K, V) of 0 (token allowed) and -inf, in the dtype and on
-    the device of logits (..., V): each byte of the words (little-endian: byte k of word w holds tokens 32w + 8k to
-    32w + 8k + 7, its bit i the token 32w + 8k + i) picks its row of BYTE_TABLE, in one numpy take (torch's
-    index_select is many times slower on these 8-float rows)."""
+def penalty_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bitmask (K, W) int32 (Constraint.bitmask's rows) -> (K, vocab_size) float32 of 0 (token allowed) and -inf: each
+    byte of the words (little-endian: byte k of word w holds tokens 32w + 8k to 32w + 8k + 7, its bit i the token
+    32w + 8k + i) picks its row of BYTE_TABLE, in one numpy take (torch's index_select is many times slower on these
+    8-float rows). The word 5 has bits 0 and 2: tokens 0 and 2 allowed.
+
+    >>> penalty_rows(torch.tensor([[5]], dtype=torch.int32), 4).tolist()
+    [[0.0, -inf, 0.0, -inf]]
+    """
     bias = torch.from_numpy(BYTE_TABLE.take(bitmask.numpy().view(np.uint8), axis=0))       # (K, 4W, 8)
-    return bias.view(len(bitmask), -1)[:, :logits.shape[-1]].to(logits.device, logits.dtype)
+    return bias.view(len(bitmask), -1)[:, :vocab_size]
 
 
 def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
@@ -165,7 +185,8 @@ def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
     rows = [j for j, c in enumerate(constraints) if c is not None]
     if not rows:
         return logits
-    bias = penalty(torch.cat([constraints[j].bitmask() for j in rows]), logits)
+    bias = torch.cat([constraints[j].penalty() for j in rows]) if len(rows) > 1 else constraints[rows[0]].penalty()
+    bias = bias.to(logits.device, logits.dtype)
     if len(rows) == len(logits):
         return logits + bias
     return logits.index_add(0, torch.tensor(rows, device=logits.device), bias)
