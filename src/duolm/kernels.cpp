@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -205,12 +206,12 @@ void quantize_row(const float* r, int64_t K, int32_t* words, float* lo, float* s
     const int64_t count = std::min<int64_t>(L, K - k);
     ((Vec::loadu(r + k, count) - Vec(l)) * Vec(inv)).round().store(u.data() + k, count);
   }
-  for (int64_t g = 0; g * G < K; ++g) {
-    uint8_t b[4] = {0, 0, 0, 0};
-    for (int64_t j = 0; j < G && g * G + j < K; ++j) b[j] = static_cast<uint8_t>(std::clamp(u[g * G + j], 0.0f, 255.0f));
-    words[g] = G == 4 ? static_cast<int32_t>(b[0] | b[1] << 8 | b[2] << 16 | static_cast<uint32_t>(b[3]) << 24)
-                      : static_cast<int32_t>(b[0] | b[1] << 16);
-  }
+  // a word's G u8 are its bytes (VNNI) or its 16-bit halves (AVX2), lowest first: the u8 written as such, the padding 0
+  using Q = std::conditional_t<G == 4, uint8_t, uint16_t>;
+  const int64_t n = (K + G - 1) / G * G;
+  std::vector<Q> q(n);
+  for (k = 0; k < n; ++k) q[k] = static_cast<Q>(std::clamp(u[k], 0.0f, 255.0f));
+  std::memcpy(words, q.data(), n * sizeof(Q));
 }
 
 at::Tensor int8_linear(const at::Tensor& x_, const at::Tensor& packed, const at::Tensor& scale,
