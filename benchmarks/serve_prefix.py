@@ -9,9 +9,8 @@
    log-probabilities agree within 1e-5.
 2. Structured output: what a constrained draw costs (duolm.generation.grammar: Constraint.mask, the penalty added to
    the logits; Constraint.advance, the token consumed and llguidance's walk for the new text written into the
-   sequence's buffer, its penalty), per token and row, around a decoding
-   step of GPT-2 124M in int8 at batch 1, over sampled completions under a JSON schema, a regex and a choice, all of
-   them valid; llguidance's walk alone beside it.
+   sequence's buffer, its penalty), per token and row, around decoding steps of GPT-2 124M in int8 at batch 1, over
+   sampled completions under a JSON schema, a regex and a choice, all of them valid; llguidance's walk alone beside it.
 
     python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask]
 
