@@ -476,18 +476,18 @@ def test_short_attention_trains_and_runs_other_dtypes_on_sdpa(monkeypatch):
 
 
 def test_bert_attention_choice_is_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
-    """precision.attention_choice: the longest length up to which scores_attention beat SDPA at every length timed
-    (0 where it lost at the shortest), written with the machine's key and read by every later call (no timing); a file
+    """precision.attention_choice: the longest length up to which scores_attention was no slower than SDPA at every
+    length timed (a tie within 3% counts as no slower; 0 where it lost at the shortest), written with the machine's key and read by every later call (no timing); a file
     for another key, or whose choice is not a length, is timed again."""
     runs = []
 
     def timed(scores):
         lengths = (8, 16, 32, 64)
         return lambda: runs.append(1) or {"sdpa": dict.fromkeys(lengths, 2), "scores": dict(zip(lengths, scores))}
-    monkeypatch.setattr(precision_module, "time_attention", timed((1, 1.9, 2, 1)))
+    monkeypatch.setattr(precision_module, "time_attention", timed((1, 2.05, 2.2, 1)))       # a win, a tie, a loss
     cache = tmp_path / "attention.json"
     got = precision_module.attention_choice.__wrapped__(cache)
-    assert (got["longest"], len(runs)) == (16, 1) and got["times"]["scores"] == {"8": 1, "16": 1.9, "32": 2, "64": 1}
+    assert (got["longest"], len(runs)) == (16, 1) and got["times"]["scores"] == {"8": 1, "16": 2.05, "32": 2.2, "64": 1}
     assert json.loads(cache.read_text()) == got and got["key"] == engines.machine_key()
     monkeypatch.setattr(precision_module, "time_attention", timed((3, 1, 1, 1)))
     assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 16 and len(runs) == 1     # kept

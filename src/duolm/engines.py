@@ -240,11 +240,13 @@ def choose(times: dict, kind: str = "fp32", margin: float = 0.03) -> dict:
 
 def machine_key() -> str:
     """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads, and
-    duolm's kernels (whether they run here, their source: a new kernel is timed anew) and this file (the timing)."""
+    duolm's kernels (whether they run here, their source: a new kernel is timed anew) and the files that time and
+    choose (this one; precision.py, BERT's attention)."""
     parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
              torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
              str(kernels.ready()),
-             *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (kernels.SOURCE, Path(__file__)))]
+             *(hashlib.sha256(f.read_bytes()).hexdigest()
+               for f in (kernels.SOURCE, Path(__file__), Path(__file__).with_name("precision.py")))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
