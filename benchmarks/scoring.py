@@ -9,8 +9,9 @@ The sentences are BLiMP's (../shared/data/blimp, both sentences of each pair, in
 transformers < 5: it runs in a process of its own (.venv/minicons-reference and .venv/qa-reference first on its
 PYTHONPATH, as the tests run it), which loads its model once and scores each batch it is sent; its time is measured
 there, around the scoring alone. duolm runs in this process, in fp32 on the engines quantize() picks (as `duolm
-score` runs). Each round times both on every sentence; the median of --rounds rounds; the scores' largest difference
-is printed too. Prints the CPU and the load average.
+score` runs), and in int8 (`duolm score --precision int8`), its scores compared with fp32's (the largest difference,
+the BLiMP pairs ordered alike). Each round times the three on every sentence; the median of --rounds rounds; the
+scores' largest difference is printed too. Prints the CPU and the load average.
 
     python benchmarks/scoring.py [--threads 2] [--rounds 3] [--bert-sentences 200] [--gpt2-sentences 1000]
                                  [--batch 20] [--tiny] [--json out.json]
@@ -18,6 +19,7 @@ is printed too. Prints the CPU and the load average.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -106,25 +108,34 @@ def models(folder: Path, tiny: bool):
 
 
 def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, threads: int) -> dict:
+    """duolm in fp32 (as `duolm score` runs by default) and in int8 (`--precision int8`: the precision module's int8
+    engines; its scores against fp32's: their largest difference and the share of BLiMP pairs, texts[2i] against
+    texts[2i + 1], that both order alike) against minicons (fp32), alternating."""
     from duolm.checkpoint import load
     from duolm.evaluation.scoring import score_sentences
     from duolm.precision import quantize
 
     model, tok = load(folder / kind)
-    model = quantize(model, "fp32")
+    engines = {"duolm": quantize(copy.deepcopy(model), "fp32"), "duolm int8": quantize(model, "int8")}
     theirs = Minicons(folder / kind, kind, threads)
     batches = [texts[i:i + batch] for i in range(0, len(texts), batch)]
-    times: dict = {"duolm": [], "minicons": []}
-    for _ in range(rounds + 1):                              # the first round warms both up, untimed
-        start = time.perf_counter()
-        ours = [r["score"] for r in score_sentences(model, tok, texts)]
-        times["duolm"].append(time.perf_counter() - start)
-        seconds, scores = theirs(batches)
+    times: dict = {"duolm": [], "duolm int8": [], "minicons": []}
+    scores: dict = {}
+    for _ in range(rounds + 1):                              # the first round warms them up, untimed
+        for name, m in engines.items():
+            start = time.perf_counter()
+            scores[name] = [r["score"] for r in score_sentences(m, tok, texts)]
+            times[name].append(time.perf_counter() - start)
+        seconds, scores["minicons"] = theirs(batches)
         times["minicons"].append(seconds)
     theirs.close()
     rate = {k: len(texts) / statistics.median(v[1:]) for k, v in times.items()}
+    ours, int8 = scores["duolm"], scores["duolm int8"]
+    same = sum((ours[i] > ours[i + 1]) == (int8[i] > int8[i + 1]) for i in range(0, len(texts) - 1, 2))
     return {"sentences": len(texts), "sentences_per_s": rate, "ratio": rate["duolm"] / rate["minicons"],
-            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, scores))}
+            "ratio_int8": rate["duolm int8"] / rate["minicons"],
+            "max_abs_diff": max(abs(a - b) for a, b in zip(ours, scores["minicons"])),
+            "int8_max_abs_diff": max(abs(a - b) for a, b in zip(ours, int8)), "int8_pairs_alike": same / (len(texts) // 2)}
 
 
 def main():
@@ -153,7 +164,10 @@ def main():
             r = out[kind] = measure(kind, Path(tmp), sentences(n), args.batch, args.rounds, args.threads)
             print(f"{what}, {r['sentences']} BLiMP sentences, median of {args.rounds} rounds: duolm "
                   f"{r['sentences_per_s']['duolm']:.1f} sentences/s, minicons {r['sentences_per_s']['minicons']:.1f}: "
-                  f"{r['ratio']:.2f}x (scores differ by at most {r['max_abs_diff']:.1e} nats)")
+                  f"{r['ratio']:.2f}x (scores differ by at most {r['max_abs_diff']:.1e} nats); duolm int8 "
+                  f"{r['sentences_per_s']['duolm int8']:.1f} sentences/s: {r['ratio_int8']:.2f}x minicons (fp32), its "
+                  f"scores within {r['int8_max_abs_diff']:.2f} nats of duolm fp32's, {r['int8_pairs_alike']:.1%} of the "
+                  f"pairs ordered alike")
     out["load_end"] = os.getloadavg()[0]
     print(f"load average at the end: {out['load_end']:.2f}")
     if args.json:
