@@ -238,24 +238,24 @@ def choose(times: dict, kind: str = "fp32", margin: float = 0.03) -> dict:
     return {"few": few, "wide": "onednn" if wide.startswith("onednn") else wide}
 
 
-def machine_key() -> str:
+def machine_key(sources: tuple = ()) -> str:
     """What decides the choice: the CPU's model and flags, the vector width torch dispatches, torch, the threads, and
-    duolm's kernels (whether they run here, their source: a new kernel is timed anew) and the files that time and
-    choose (this one; precision.py, BERT's attention)."""
+    duolm's kernels (whether they run here, their source: a new kernel is timed anew), this file (the timing) and the
+    `sources` of a choice timed elsewhere (duolm.precision's attention: its own file)."""
     parts = [kernels.cpuinfo("model name") or platform.processor(), kernels.cpuinfo("flags") or platform.machine(),
              torch.backends.cpu.get_cpu_capability(), torch.__version__, str(torch.get_num_threads()),
              str(kernels.ready()),
-             *(hashlib.sha256(f.read_bytes()).hexdigest()
-               for f in (kernels.SOURCE, Path(__file__), Path(__file__).with_name("precision.py")))]
+             *(hashlib.sha256(f.read_bytes()).hexdigest() for f in (kernels.SOURCE, Path(__file__), *sources))]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
-def kept_choice(kind: str, cache: Path | None, measure, fits) -> dict:
+def kept_choice(kind: str, cache: Path | None, measure, fits, sources: tuple = ()) -> dict:
     """This machine's `kind` choice (a dict, its "times" and "key" among it): read from `cache` (default
-    CACHE/<kind>-<key>.json: processes with other thread counts keep theirs apart) where it holds this machine_key()
-    and fits(kept), else measure() -> (the choice with its "times", what it chose in words), written there and said in
-    one line (a cache that cannot be written is said too, and the choice kept for the process)."""
-    key = machine_key()
+    CACHE/<kind>-<key>.json: processes with other thread counts keep theirs apart) where it holds this
+    machine_key(sources) and fits(kept), else measure() -> (the choice with its "times", what it chose in words),
+    written there and said in one line (a cache that cannot be written is said too, and the choice kept for the
+    process)."""
+    key = machine_key(sources)
     path = cache or CACHE / f"{kind}-{key}.json"
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))

@@ -299,12 +299,12 @@ def scores_longest(times: dict, margin: float = 0.03) -> int:
 def attention_choice(cache: Path | None = None) -> dict:
     """This machine's BERT attention: {"longest": the most keys ShortAttention runs scores_attention at
     (scores_longest), "times", "key"}, timed once a machine and kept on disk as the fp32 and int8 engines are
-    (duolm.engines.kept_choice, kind "attention")."""
+    (duolm.engines.kept_choice, kind "attention", keyed by this file's source too: the timing and the rule are here)."""
     def measure():
         times = time_attention()
         longest = scores_longest(times)
         return {"longest": longest, "times": json_times(times)}, ShortAttention.runs(longest)
-    return kept_choice("attention", cache, measure, lambda kept: type(kept.get("longest")) is int)
+    return kept_choice("attention", cache, measure, lambda kept: type(kept.get("longest")) is int, (Path(__file__),))
 
 
 class ShortAttention(SelfAttention):
