@@ -11,7 +11,9 @@ PYTHONPATH, as the tests run it), which loads its model once and scores each bat
 there, around the scoring alone. duolm runs in this process, in fp32 on the engines quantize() picks (as `duolm
 score` runs), and in int8 (`duolm score --precision int8`), its scores compared with fp32's (the largest difference,
 the BLiMP pairs ordered alike). Each round times the three on every sentence; the median of --rounds rounds; the
-scores' largest difference is printed too. Prints the CPU and the load average.
+scores' largest difference is printed too. The CPU's fp32 peak (one 2048^3 product) is timed first, and each model's
+rate is also printed as GFLOP/s of the products its scoring needs at least (products_gflop) against it. Prints the
+CPU and the load average.
 
     python benchmarks/scoring.py [--threads 2] [--rounds 3] [--bert-sentences 200] [--gpt2-sentences 1000]
                                  [--batch 20] [--tiny] [--json out.json]
@@ -107,6 +109,38 @@ def models(folder: Path, tiny: bool):
                folder / "bert", tokenizer=wp, format="hf")
 
 
+def peak_gflops(n: int = 2048) -> float:
+    """The CPU's fp32 product rate, as one n x n x n product (torch.mm, the best of 10 after a warm-up) reaches it on
+    torch's threads: what no fp32 scorer's products can pass here."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    best = float("inf")
+    for _ in range(10):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def products_gflop(kind: str, config, tok, texts: list[str]) -> float:
+    """The floating-point operations of the products that scoring `texts` needs at least (no padding, no attention
+    scores), in GFLOP: GPT-2 each sentence's t tokens (<|endoftext|> first) through the blocks, the output layer at
+    the t - 1 scored; BERT's PLL, for a sentence of n pieces, n masked copies of n + 2 tokens ([CLS], [SEP]) through
+    the encoder and the MLM head (its transform and decoder) at the masked position."""
+    C, V = config.n_embd, config.vocab_size
+    block = config.n_layer * (4 * C * C + 2 * C * getattr(config, "n_inner", 4 * C))    # a token's MACs
+    macs = 0
+    for s in texts:
+        if kind == "gpt2":
+            t = len(tok.encode(s)) + 1
+            macs += t * block + (t - 1) * V * C
+        else:
+            n = len(tok.encode(s)) - 2
+            macs += n * (n + 2) * block + n * (C * C + V * C)
+    return 2 * macs / 1e9
+
+
 def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, threads: int) -> dict:
     """duolm in fp32 (as `duolm score` runs by default) and in int8 (`--precision int8`: the precision module's int8
     engines; its scores against fp32's: their largest difference and the share of BLiMP pairs, texts[2i] against
@@ -133,6 +167,7 @@ def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, 
     ours, int8 = scores["duolm"], scores["duolm int8"]
     same = sum((ours[i] > ours[i + 1]) == (int8[i] > int8[i + 1]) for i in range(0, len(texts) - 1, 2))
     return {"sentences": len(texts), "sentences_per_s": rate, "ratio": rate["duolm"] / rate["minicons"],
+            "gflop_per_sentence": products_gflop(kind, model.config, tok, texts) / len(texts),
             "ratio_int8": rate["duolm int8"] / rate["minicons"],
             "max_abs_diff": max(abs(a - b) for a, b in zip(ours, scores["minicons"])),
             "int8_max_abs_diff": max(abs(a - b) for a, b in zip(ours, int8)), "int8_pairs_alike": same / (len(texts) // 2)}
@@ -156,18 +191,25 @@ def main():
     torch.set_num_threads(args.threads)
     out = {"machine": machine(), "load_start": os.getloadavg()[0], "rounds": args.rounds, "tiny": args.tiny}
     print(f"CPU: {out['machine']['cpu']}, {args.threads} threads; load average at start: {out['load_start']:.2f}")
+    out["peak_gflops"] = peak_gflops()
+    print(f"fp32 peak: {out['peak_gflops']:.0f} GFLOP/s (one 2048 x 2048 x 2048 product)")
     with tempfile.TemporaryDirectory() as tmp:
         models(Path(tmp), args.tiny)
         names = ("tiny BERT", "tiny GPT-2") if args.tiny else ("BERT-base", "GPT-2 124M")
         for kind, n, what in (("bert", args.bert_sentences, f"{names[0]} pseudo-log-likelihood (original)"),
                               ("gpt2", args.gpt2_sentences, f"{names[1]} log-likelihood")):
             r = out[kind] = measure(kind, Path(tmp), sentences(n), args.batch, args.rounds, args.threads)
+            per, peak = r["gflop_per_sentence"], out["peak_gflops"]
+            ours, theirs = (per * r["sentences_per_s"][k] for k in ("duolm", "minicons"))
             print(f"{what}, {r['sentences']} BLiMP sentences, median of {args.rounds} rounds: duolm "
                   f"{r['sentences_per_s']['duolm']:.1f} sentences/s, minicons {r['sentences_per_s']['minicons']:.1f}: "
                   f"{r['ratio']:.2f}x (scores differ by at most {r['max_abs_diff']:.1e} nats); duolm int8 "
                   f"{r['sentences_per_s']['duolm int8']:.1f} sentences/s: {r['ratio_int8']:.2f}x minicons (fp32), its "
                   f"scores within {r['int8_max_abs_diff']:.2f} nats of duolm fp32's, {r['int8_pairs_alike']:.1%} of the "
                   f"pairs ordered alike")
+            print(f"  its products: {per:.2f} GFLOP a sentence; duolm fp32 {ours:.0f} GFLOP/s ({ours / peak:.0%} of the "
+                  f"fp32 peak), minicons {theirs:.0f} ({theirs / peak:.0%}); 5x minicons would take {5 * theirs:.0f} "
+                  f"GFLOP/s, {5 * theirs / peak:.1f}x the peak")
     out["load_end"] = os.getloadavg()[0]
     print(f"load average at the end: {out['load_end']:.2f}")
     if args.json:
