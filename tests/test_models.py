@@ -148,6 +148,29 @@ def test_cached_decoding_with_left_padding():
 
 
 @torch.no_grad()
+def test_packed_sequences_equal_each_prompt_alone():
+    """hidden()'s docstring example, p 5 tokens long: prompts p + [a, b] and p + [a, c], p cached, packed as the new
+    tokens a, b, c at positions 5, 6, 6; each token's state equals its prompt's run alone. Bad packed input is refused."""
+    ours, _ = gpt2_pair()
+    g = torch.Generator().manual_seed(6)
+    p, (a, b, c) = torch.randint(0, 500, (1, 5), generator=g), torch.randint(0, 500, (3,), generator=g).tolist()
+    cache = KVCache(ours.config, 1, max_len=8)
+    ours.hidden(p, cache=cache)
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    h = ours.hidden(torch.tensor([[a, b, c]]), mask[None], cache, torch.tensor([[5, 6, 6]]))[0]
+    first = ours.hidden(torch.cat([p, torch.tensor([[a, b]])], 1))[0]
+    second = ours.hidden(torch.cat([p, torch.tensor([[a, c]])], 1))[0]
+    torch.testing.assert_close(h, torch.stack([first[5], first[6], second[6]]), atol=ATOL, rtol=0)
+    m, ids = GPT2(GPT2Config.preset("tiny")), torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"packed sequences need positions \(B, T\) = \(1, 3\)"):
+        m.hidden(ids, torch.ones(1, 3, 3, dtype=torch.bool), None, torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="bool attention_mask"):
+        m.hidden(ids, torch.ones(1, 3, 3), None, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"positions\[0, 2\] = 64 is outside \[0, block_size=64\)"):
+        m.hidden(ids, torch.ones(1, 3, 3, dtype=torch.bool), None, torch.tensor([[0, 1, 64]]))
+
+
+@torch.no_grad()
 def test_kvcache_reorder_selects_rows():
     ours, _ = gpt2_pair()
     idx = torch.randint(0, 500, (3, 8), generator=torch.Generator().manual_seed(6))

@@ -93,13 +93,13 @@ def test_shared_and_diverging_prompts_with_and_without_the_cache():
     for (pa, ga), (pb, gb) in zip(_numbers(a), _numbers(b)):
         assert pa[0] is None and pa[1:] == pytest.approx(pb[1:], abs=1e-5) and ga == pytest.approx(gb, abs=1e-5)
     s = cached.stats()
-    # each reuses its shared tokens but one (the state before its first new token is computed). The first batch's 3
-    # rows join in one step, in waves (serve/prefill.py; context[20] = 59 > 4 orders them): context[:20] + [4, 5, 6]
-    # (a miss), context + [1, 2] past its 20 tokens (20 - 1), context + [3] past context + [1, 2]'s 40 (40 - 1);
-    # `other` a miss; context + [1, 2, 8] 42 - 1; then context + [1, 2] and context + [3], whole in the cache, 42 - 1
-    # and 41 - 1
-    assert context[20] == 59 and s["prefix_cache_misses"] == 2
-    assert s["prefix_cache_hits"] == 5 and s["prefix_cache_hit_tokens"] == 19 + 39 + 41 + 41 + 40
+    # a row reuses from the cache the tokens it shares but one (the state before its first new token is computed);
+    # rows prefilled in one forward compute a prefix they share once (serve/prefill.py). The first batch's 3 rows
+    # miss the cache and are packed in prompt order (context[20] = 59 > 4): context[:20] + [4, 5, 6] whole,
+    # context + [1, 2] past its 20 shared tokens, context + [3] past their 40; `other` a miss; context + [1, 2, 8]
+    # reuses 42 - 1; then context + [1, 2] and context + [3], whole in the cache, 42 - 1 and 41 - 1
+    assert context[20] == 59 and s["prefix_cache_misses"] == 4 and s["prefix_cache_shared_tokens"] == 20 + 40
+    assert s["prefix_cache_hits"] == 3 and s["prefix_cache_hit_tokens"] == 41 + 41 + 40
     # scoring rows (one token, lm-evaluation-harness's) reuse it too
     score = Row(prompt=context + [9, 9], max_tokens=1, logprobs=1, prompt_logprobs=True, temperature=0.0, sink=_Keep())
     _run(cached, [[score]])
@@ -108,8 +108,8 @@ def test_shared_and_diverging_prompts_with_and_without_the_cache():
 
 def test_rows_arriving_together_compute_their_shared_context_once():
     """4 scoring rows with one context arriving in one step (lm-evaluation-harness's choices of an item, sent at once):
-    the context is computed once, by the first row, the others past it (serve/prefill.py's waves); positions computed
-    are counted (the prompts' less those the cache gave). The same greedy ids and log-probabilities within 1e-5 as
+    the context is computed once, in the one packed forward of the four (serve/prefill.py); positions computed are
+    counted (the prompts' less those the cache gave and those shared). The same greedy ids and log-probabilities within 1e-5 as
     without the cache."""
     model = tiny_gpt2(vocab_size=97, block_size=128)
     context = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -122,11 +122,9 @@ def test_rows_arriving_together_compute_their_shared_context_once():
     for (pa, ga), (pb, gb) in zip(_numbers(a), _numbers(b)):
         assert pa[1:] == pytest.approx(pb[1:], abs=1e-5) and ga == pytest.approx(gb, abs=1e-5)
     s = cached.stats()
-    computed = s["prompt_tokens"] - s["prefix_cache_hit_tokens"]
-    # the context once, every ending, and for each of the 3 later rows the context's last position again (the state
-    # before its first new token, whose log-probability it reports)
-    assert s["prompt_tokens"] == 4 * 30 + 8 and computed == 30 + 8 + 3
-    assert s["prefix_cache_misses"] == 1 and s["prefix_cache_hits"] == 3
+    computed = s["prompt_tokens"] - s["prefix_cache_hit_tokens"] - s["prefix_cache_shared_tokens"]
+    assert s["prompt_tokens"] == 4 * 30 + 8 and computed == 30 + 8            # the context once, every ending
+    assert s["prefix_cache_misses"] == 4 and s["prefix_cache_hits"] == 0
 
 
 def test_eviction_under_a_small_budget():

@@ -336,7 +336,7 @@ class GPT2(nn.Module):
         """The decoder itself (a model with a head names its decoder so)."""
         return self
 
-    def _check(self, idx, attention_mask, cache):
+    def _check(self, idx, attention_mask, cache, positions):
         if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
             shape = tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__
             raise ValueError(f"idx must be a 2-D (B, T) tensor of token ids, got {shape}")
@@ -345,31 +345,45 @@ class GPT2(nn.Module):
             raise ValueError(f"idx is empty: batch size {B}, sequence length {T}; both must be > 0")
         check_ids(idx, self.config.vocab_size, "idx", "vocab_size")
         past = 0 if cache is None else cache.length
-        if past + T > self.config.block_size:
+        if positions is None and past + T > self.config.block_size:
             raise ValueError(f"sequence length {past + T} (cache {past} + new {T}) exceeds the "
                              f"context block_size={self.config.block_size}; truncate the input")
         if cache is not None and (cache.batch_size != B or past + T > cache.max_len):
             raise ValueError(f"cache holds batch {cache.batch_size} x {cache.max_len} positions "
                              f"({past} used); got batch {B} with {T} new tokens")
+        if positions is not None:
+            if tuple(positions.shape) != (B, T) or attention_mask is None or attention_mask.dtype != torch.bool \
+                    or tuple(attention_mask.shape) != (B, T, past + T):
+                raise ValueError(f"packed sequences need positions (B, T) = ({B}, {T}) and a bool attention_mask "
+                                 f"(B, T, past + T) = ({B}, {T}, {past + T})")
+            check_ids(positions, self.config.block_size, "positions", "block_size")
+            return
         if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
             raise ValueError(f"attention_mask must have shape (B, past + T) = ({B}, {past + T}), "
                              f"got {tuple(attention_mask.shape)}")
 
-    def hidden(self, idx, attention_mask=None, cache=None):
+    def hidden(self, idx, attention_mask=None, cache=None, positions=None):
         """idx (B, T) of ids in [0, vocab_size) -> hidden states (B, T, n_embd) after ln_f. An id outside
         that range (the padding rows of wte included) or past + T > block_size is a ValueError (on CUDA
         and under torch.compile the id range is checked on the device: see check_ids).
 
         attention_mask (B, past + T) of 0/1 marks left padding (1 = real token); positions then
         count real tokens only, so a padded row gives the same values as the unpadded row. With
-        a cache, the T new keys/values are written into it and cache.length advances by T."""
-        self._check(idx, attention_mask, cache)
+        a cache, the T new keys/values are written into it and cache.length advances by T.
+
+        positions (B, T) with a bool attention_mask (B, T, past + T): packed sequences, each token at the
+        position given, seeing the keys its row of the mask marks (serve/prefill.py packs prompts so). Two
+        prompts [p, a, b] and [p, a, c], p cached at column 0: new tokens a, b, c at positions [1, 2, 2],
+        mask rows [1 1 0 0], [1 1 1 0], [1 1 0 1] (a computed once, b and c each after it)."""
+        self._check(idx, attention_mask, cache, positions)
         B, T = idx.shape
         past = 0 if cache is None else cache.length
         S = past + T
         device = idx.device
         mask = None
-        if attention_mask is None:
+        if positions is not None:                                          # packed
+            pos_emb, mask = self.wpe(positions), attention_mask[:, None]     # (B, T, C), (B, 1, T, S)
+        elif attention_mask is None:
             pos_emb = self.wpe.weight[past:S]                                 # (T, C)
             if past > 0 and T > 1:   # new queries see the whole past and causally among themselves
                 q_pos = torch.arange(past, S, device=device)[:, None]

@@ -8,21 +8,25 @@ import torch
 from duolm.generation import next_token
 
 
-def logprob_info(logits: torch.Tensor, tokens: list, k: int) -> list:
-    """logits (N, V) and the N tokens that followed -> per token (log p(token), [(id, log p) of the k
-    most likely ids, most likely first]), log p from the raw logits (before penalties, temperature and
-    filters). The token's log p and the alternatives' come from one log-softmax: a token that is the most
-    likely has exactly the first alternative's value.
+def logprob_info(logits: torch.Tensor, tokens: list, k: int, at: torch.Tensor | None = None) -> list:
+    """logits (N, V) and the tokens that followed, token i after row at[i] of the logits (at None: row i) -> per token
+    (log p(token), [(id, log p) of the k most likely ids, most likely first]), log p from the raw logits (before
+    penalties, temperature and filters). The token's log p and the alternatives' come from one log-softmax: a token
+    that is the most likely has exactly the first alternative's value. Rows shared by several tokens (prompts that
+    share a prefix) are computed once.
 
     >>> logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1], 1)
     [(-1.3862943649291992, [(0, -0.6931471824645996)])]
+    >>> logprob_info(torch.log(torch.tensor([[0.5, 0.25, 0.25]])), [1, 0], 0, torch.tensor([0, 0]))
+    [(-1.3862943649291992, []), (-0.6931471824645996, [])]
     """
     lp = logits.float().log_softmax(-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
+    at = torch.arange(len(tokens), device=lp.device) if at is None else at.to(lp.device)
+    chosen = lp[at, torch.tensor(tokens, device=lp.device)].tolist()
     if not k:
         return [(c, []) for c in chosen]
     top = lp.topk(min(k, lp.shape[-1]))
-    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices.tolist(), top.values.tolist())]
+    return [(c, list(zip(i, v))) for c, i, v in zip(chosen, top.indices[at].tolist(), top.values[at].tolist())]
 
 
 def penalized(logits: torch.Tensor, tokens: list, presence: float = 0.0, frequency: float = 0.0,

@@ -35,6 +35,8 @@ STATS = {
     "prefix_cache_misses": ("duolm:prefix_cache_misses", "counter", "Prompts that found no cached prefix (GPT-2)"),
     "prefix_cache_hit_tokens": ("duolm:prefix_cache_hit_tokens", "counter",
                                 "Prompt tokens whose keys and values came from the prefix cache"),
+    "prefix_cache_shared_tokens": ("duolm:prefix_cache_shared_tokens", "counter",
+                                   "Prompt tokens computed once for several prompts prefilled together"),
     "prefix_cache_bytes": ("duolm:prefix_cache_bytes", "gauge", "Bytes of keys and values the prefix cache holds"),
     "prefix_cache_evicted": ("duolm:prefix_cache_evicted", "counter", "Prefix cache nodes evicted (least recently "
                                                                       "used) to stay within --prefix-cache-mb"),

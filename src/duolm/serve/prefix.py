@@ -55,11 +55,13 @@ class PrefixCache:
         self.root = _Node((), None, None, 1 << 30, None)
         self.bytes = 0
         self.hits = self.misses = self.hit_tokens = self.evicted = 0
+        self.shared_tokens = 0       # prompt tokens computed once for several rows of one forward (prefill.py)
         self._clock = itertools.count(1)
 
     def stats(self) -> dict:
         return {"prefix_cache_hits": self.hits, "prefix_cache_misses": self.misses,
-                "prefix_cache_hit_tokens": self.hit_tokens, "prefix_cache_bytes": self.bytes,
+                "prefix_cache_hit_tokens": self.hit_tokens, "prefix_cache_shared_tokens": self.shared_tokens,
+                "prefix_cache_bytes": self.bytes,
                 "prefix_cache_evicted": self.evicted}
 
     def match(self, tokens: list, k: int | None) -> tuple[int, torch.Tensor | None, list]:

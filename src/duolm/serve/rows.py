@@ -1,5 +1,5 @@
 """What the scheduler runs: a Row (one sequence to generate, its settings and its state) and the Sink its results go
-to; padded_groups, how waiting prompts are cut into forwards of a bounded size."""
+to; packed_groups, how waiting prompts are cut into forwards of a bounded size."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,19 +57,19 @@ class Row:
     constraint: Constraint | None = None     # structured output: the grammar its text must follow
 
 
-def padded_groups(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices of prompts (their lengths, in arrival order) cut into consecutive groups whose padded size
-    (prompts x the longest) stays within budget; a prompt longer than the budget is a group alone.
+def packed_groups(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices of prompts (their lengths, in arrival order) cut into consecutive groups of at most `budget` tokens in
+    all (one packed forward each: serve/prefill.py); a prompt longer than the budget is a group alone.
 
-    >>> padded_groups([3, 5, 9, 2], 12)
-    [[0, 1], [2], [3]]
+    >>> packed_groups([3, 5, 9, 2], 12)
+    [[0, 1], [2, 3]]
     """
-    groups, longest = [], 0
+    groups, total = [], budget
     for i, n in enumerate(lengths):
-        if groups and (len(groups[-1]) + 1) * max(longest, n) <= budget:
+        if total + n <= budget:
             groups[-1].append(i)
-            longest = max(longest, n)
+            total += n
         else:
             groups.append([i])
-            longest = n
+            total = n
     return groups

@@ -1,9 +1,8 @@
 """Continuous batching for GPT-2: one decode loop; sequences join and leave the running batch.
 
-Every running sequence is one row of a batch KV cache. The rows joining at a step are prefilled together,
-left-padded, in a cache of their own, as `duolm.generation.generate` prefills several prompts (each row's positions
-count its real tokens), copied into the batch, which decodes them with the others from the next step on, and
-their first tokens drawn together. Each row keeps its own length, sampling settings, stop rule and
+Every running sequence is one row of a batch KV cache. The rows joining at a step are prefilled together, packed
+into one sequence past the prefixes the prefix cache holds (prefill.py), their keys and values copied into the batch,
+which decodes them with the others from the next step on, and their first tokens drawn together. Each row keeps its own length, sampling settings, stop rule and
 `torch.Generator`, and its token is drawn by `next_token` from its own row of logits with its own generator: the
 draws are those of the row run alone, and the ids of a step's rows come to the host together (one wait for the
 device a step). (A batched forward, of the prefill or of a step, differs from a 1-row one only in float rounding,
@@ -17,9 +16,8 @@ every row. A prompt longer than L joining shifts the block right; when the buffe
 columns that are padding in every row are dropped (the block shifts left).
 
 Scoring rows (max_tokens 0 or 1: lm-evaluation-harness's loglikelihood requests) never decode, so they need no
-cache: the waiting ones run as one right-padded forward (causal attention keeps a row's positions from seeing
-the padding after them), each drawing its one token from its last real position. Like any batched forward it
-rounds ~1e-6 away from the row alone.
+cache: the waiting ones run as one packed forward, each drawing its one token from its last position. Like any
+batched forward it rounds ~1e-6 away from the row alone.
 
 batch_invariant=True trades that sharing for bitwise reproducibility: each row is prefilled alone, keeps the 1-row
 cache of its prefill and every step runs it alone, as `generate` runs one prompt, so a row's tokens and
@@ -48,17 +46,17 @@ from duolm.generation.base import device_dtype
 from duolm.generation.static import cache_length, decoder_of
 from duolm.models import KVCache
 from duolm.serve.draws import logprob_info, next_tokens
-from duolm.serve.prefill import aligned, prefill, waves
+from duolm.serve.prefill import aligned, prefill
 from duolm.serve.prefix import PrefixCache
-from duolm.serve.rows import Row, Sink, padded_groups
+from duolm.serve.rows import Row, Sink, packed_groups
 from duolm.serve.warmup import batch_bucket, warm_up
 
-__all__ = ["Row", "Scheduler", "Sink", "padded_groups"]
+__all__ = ["Row", "Scheduler", "Sink", "packed_groups"]
 
 log = logging.getLogger("duolm.serve")
 PROMPT_ROWS = 256     # prompt positions whose log-probabilities are computed together (~50 MB for GPT-2's vocabulary)
-SCORE_TOKENS = 4096   # padded positions of one batched scoring forward at most (one longer prompt goes alone)
-JOIN_TOKENS = 2048    # padded positions of one prefill of joining rows at most (its cache: ~150 MB for GPT-2 124M)
+PACK_TOKENS = 512     # prompt tokens of one packed prefill at most (one longer prompt goes alone): a packed forward's
+                      # attention spans all its tokens, at 512 a tenth of GPT-2 124M's products
 
 
 class Scheduler:
@@ -175,11 +173,11 @@ class Scheduler:
         joining = [r for r in taken if r not in scoring]
         together = self._static is None and not self.batch_invariant      # eager: one forward a group of prompts
         first: list = []          # (row, its last hidden state (1, C)) of the rows that joined or scored
-        for fn, todo, budget in ((self._join, joining, JOIN_TOKENS if together else 0),
-                                 (self._score, scoring, SCORE_TOKENS)):
-            for group in padded_groups([len(r.prompt) for r in todo], budget):
-                for rows in waves([todo[i] for i in group], self.prefix):    # a shared prefix computed once
-                    self._guard(rows, fn, rows, first)
+        budget = min(PACK_TOKENS, self.model.config.block_size)
+        for fn, todo, budget in ((self._join, joining, budget if together else 0), (self._score, scoring, budget)):
+            for group in packed_groups([len(r.prompt) for r in todo], budget):
+                rows = [todo[i] for i in group]
+                self._guard(rows, fn, rows, first)
         first = [(r, h) for r, h in first if not r.finished]       # (a group that failed after its prefill: ended)
         if first:
             self._guard([r for r, _ in first], self._draw, first)
@@ -233,7 +231,7 @@ class Scheduler:
 
     def _join(self, rows: list[Row], first: list) -> None:
         """Prefill joining rows and put them in the batch, each one's last hidden state appended to `first`. Eager,
-        in one forward, left-padded, its cache copied into the batch at once; compiled, one by one at bucketed
+        in one packed forward, its cache copied into the batch at once; compiled, one by one at bucketed
         lengths; batch_invariant, one alone in the cache it keeps. A group whose forward fails runs again row by row:
         a row the model refuses fails alone."""
         rows = [r for r in rows if self._admit(r)]
@@ -242,12 +240,12 @@ class Scheduler:
         if self._static is not None:          # compiled, at a bucketed length (on CUDA a graph replay)
             for row in rows:
                 h, keys, values = self._static.prefill(row.prompt)
-                if self._prompted(row, h[0], first):
+                if self._prompted([row], h[0], [torch.arange(len(row.prompt))], first)[0]:
                     self._insert([row], keys, values, None)
             return
         if not self.batch_invariant:          # eager, together, past the prefixes cached
             try:
-                cache, found, h = prefill(self.model, self.prefix, rows)
+                p = prefill(self.model, self.prefix, rows)
             except Exception:
                 if len(rows) == 1:
                     raise
@@ -255,36 +253,37 @@ class Scheduler:
                 for row in rows:
                     self._guard([row], self._join, [row], first)
                 return
-            kept = [j for j, (row, (u, known, kv)) in enumerate(zip(rows, found))
-                    if self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)]
+            kept = [j for j, joins in enumerate(self._prompted(rows, p.h, p.at, first, p.found)) if joins]
             if kept:
-                M = max(u for u, _, _ in found)         # where the cached prefixes end
-                self._insert([rows[j] for j in kept], *aligned(cache, M, [(j, rows[j], found[j][0]) for j in kept]))
+                self._insert([rows[j] for j in kept], *aligned(p.cache, p.cols, kept))
             return
         row, cfg = rows[0], self.model.config         # batch_invariant: one row, alone in the cache it keeps
         cache = KVCache(cfg, 1, max_len=min(cfg.block_size, len(row.prompt) + max(row.max_tokens, 1) - 1),
                         device=self.device, dtype=self.dtype)
         h = self.model.hidden(torch.tensor([row.prompt], device=self.device), None, cache)
-        if self._prompted(row, h[0], first):
+        if self._prompted([row], h[0], [torch.arange(len(row.prompt))], first)[0]:
             row.cache, row.n = cache, len(row.prompt)
             self._rows.append(row)
 
-    def _prompted(self, row: Row, h: torch.Tensor, first: list, known: list = (None,), kv=None) -> bool:
-        """A prefilled row (its hidden states h (P - u, C) past the u positions the prefix cache gave, whose tokens'
-        infos are known[1:]; kv: its prompt's keys and values for the prefix cache, or None): its prompt's
-        log-probabilities handed over; False when that was all it asked for (it ends), else its last hidden state
-        appended to `first`."""
-        self.prompt_tokens += len(row.prompt)
-        infos = self._prompt_logprobs(h, row, known) if row.prompt_logprobs else None
-        if kv is not None:
-            self.prefix.insert(row.prompt, kv, infos, row.logprobs or 0)
-        if infos is not None:
-            row.sink.prompt(infos)
-        if row.max_tokens == 0:
-            self._finish(row, "length")
-            return False
-        first.append((row, h[-1:].clone()))      # (compiled on CUDA, h is a graph's output: the next replay's)
-        return True
+    def _prompted(self, rows: list[Row], h: torch.Tensor, at: list, first: list, found: list | None = None) -> list:
+        """Prefilled rows (hidden states h (T, C), each row's positions past the u the prefix cache gave at[j] in it;
+        found: per row (u, the infos of its first u + 1 tokens, its prompt's keys and values for the prefix cache or
+        None), None: nothing cached): their prompts' log-probabilities handed over; per row, False when that was all
+        it asked for (it ends), else True and its last hidden state appended to `first`."""
+        found = found or [(0, [None], None)] * len(rows)
+        kept = []
+        for row, a, (_, _, kv), infos in zip(rows, at, found, self._prompt_logprobs(rows, h, at, found)):
+            self.prompt_tokens += len(row.prompt)
+            if kv is not None:
+                self.prefix.insert(row.prompt, kv, infos, row.logprobs or 0)
+            if infos is not None:
+                row.sink.prompt(infos)
+            if row.max_tokens == 0:
+                self._finish(row, "length")
+            else:
+                first.append((row, h[a[-1:]]))      # a copy (compiled on CUDA, h is a graph's output: the next replay's)
+            kept.append(row.max_tokens > 0)
+        return kept
 
     def _insert(self, rows: list[Row], keys: list, values: list, real: torch.Tensor | None) -> None:
         """Rows into the batch after the last one: their keys and values per layer (J, n_head, T, head_dim) end at
@@ -304,23 +303,31 @@ class Scheduler:
         self._rows.extend(rows)
 
     def _score(self, rows: list[Row], first: list) -> None:
-        """Rows that draw at most one token: one forward over their prompts past their cached prefixes, right-padded;
+        """Rows that draw at most one token: one packed forward over their prompts past their cached prefixes;
         the states before each one's token appended to `first`."""
         rows = [r for r in rows if self._admit(r)]
         if rows:
-            cache, found, h = prefill(self.model, self.prefix, rows)
-            for j, (row, (u, known, kv)) in enumerate(zip(rows, found)):
-                self._prompted(row, h[j, :len(row.prompt) - u], first, known, kv)
+            p = prefill(self.model, self.prefix, rows)
+            self._prompted(rows, p.h, p.at, first, p.found)
 
-    def _prompt_logprobs(self, h: torch.Tensor, row: Row, known: list) -> list:
-        """The prompt tokens' logprob_info (None for the first): `known` those of its first u + 1 tokens (from the prefix
-        cache; [None] without), then each next one's from the states h (P - u, C) before it; the output layer runs on
-        PROMPT_ROWS positions at a time ((rows, V) floats, not (P, V))."""
-        out, u = list(known), len(known) - 1
-        n = len(row.prompt) - 1 - u
-        for i in range(0, n, PROMPT_ROWS):
-            j = min(i + PROMPT_ROWS, n)
-            out += logprob_info(self.model.head(h[i:j]), row.prompt[u + i + 1:u + j + 1], row.logprobs or 0)
+    def _prompt_logprobs(self, rows: list[Row], h: torch.Tensor, at: list, found: list) -> list:
+        """Each row's prompt tokens' logprob_info (None for the first; None for a row that asked for none): those of its
+        first u + 1 tokens from the prefix cache (found), then each next one's from the state before it (h[at[j]]).
+        The output layer runs once a state (rows that share a prefix share its states), on PROMPT_ROWS of the tokens
+        at a time ((rows, V) floats, not (P, V))."""
+        want = [j for j, r in enumerate(rows) if r.prompt_logprobs]
+        out = [None] * len(rows)
+        if not want:
+            return out
+        states = torch.cat([at[j][:-1] for j in want])
+        targets = [t for j in want for t in rows[j].prompt[len(found[j][1]):]]
+        k, infos = max(rows[j].logprobs or 0 for j in want), []
+        for i in range(0, len(targets), PROMPT_ROWS):
+            used, where = torch.unique(states[i:i + PROMPT_ROWS], return_inverse=True)
+            infos += logprob_info(self.model.head(h[used]), targets[i:i + PROMPT_ROWS], k, where)
+        for j in want:
+            known, n, kj = found[j][1], len(rows[j].prompt) - len(found[j][1]), rows[j].logprobs or 0
+            out[j], infos = list(known) + [(c, alts[:kj]) for c, alts in infos[:n]], infos[n:]
         return out
 
     def _draw(self, first: list) -> None:
