@@ -4,8 +4,9 @@ grammar get -inf, so a draw (greedy or sampled, with any filter) picks among the
 
 The grammar engine is llguidance (the optional extra `grammar`), fed the model's byte-level vocabulary: the bytes of
 every token, end of text as its end. It computes a draw's mask when it is needed, from its lexer and Earley parser
-over a trie of the tokens' bytes (benchmarks/serve_prefix.py times it for GPT-2's 50,257 tokens), with no index of the vocabulary built ahead for each grammar (outlines-core builds one: seconds for a
-JSON schema), and needs no other package (xgrammar needs transformers). docs/serving.md says more.
+over a trie of the tokens' bytes (benchmarks/serve_prefix.py times it for GPT-2's 50,257 tokens), with no index of
+the vocabulary built ahead for each grammar (outlines-core builds one: seconds for a JSON schema), and needs no other
+package (xgrammar needs transformers). docs/serving.md says more.
 
     vocab = Vocabulary.of(tokenizer, model.config.vocab_size)
     grammar = Grammar("json", {"type": "object", ...})
@@ -13,8 +14,8 @@ JSON schema), and needs no other package (xgrammar needs transformers). docs/ser
     logits = constraint.mask(logits)            # (1, V): disallowed tokens -inf
     done = constraint.advance(token)            # True: the text is complete, nothing may follow
 
-A draw's mask is llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy), each
-byte of it then picking its eight tokens' 0 or -inf from a table of 256 rows (the penalty), added to the logits
+A draw's mask is llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy), the
+bits then unpacked to a penalty of 0 or -inf a token (penalty_rows), added to the logits
 (constrain: every constrained row of a batch in one op, the others copied as they are). The walk and the penalty are
 computed once a text, as soon as it is known (a Constraint's creation, each advance()), while the parser's and the
 trie's memory is still in the CPU's caches; not after the model's forward, which leaves them cold, nor beside it on
@@ -162,21 +163,21 @@ class Constraint:
         return self.matcher.is_stopped()
 
 
-# (256, 8) float32: row b holds 0 where bit i of b is set (the token allowed), else -inf: one byte of a bitmask, spread
-BYTE_TABLE = np.where(np.arange(256)[:, None] >> np.arange(8) & 1, 0.0, -np.inf).astype(np.float32)
+NEG_INF_BITS = -(1 << 23)   # float32 -inf as an int32 (0xff800000); 0 is 0.0
 
 
 def penalty_rows(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bitmask (K, W) int32 (Constraint.bitmask's rows) -> (K, vocab_size) float32 of 0 (token allowed) and -inf: each
-    byte of the words (little-endian: byte k of word w holds tokens 32w + 8k to 32w + 8k + 7, its bit i the token
-    32w + 8k + i) picks its row of BYTE_TABLE, in one numpy take (torch's index_select is many times slower on these
-    8-float rows). The word 5 has bits 0 and 2: tokens 0 and 2 allowed.
+    """bitmask (K, W) int32 (Constraint.bitmask's rows) -> (K, vocab_size) float32 of 0 (token allowed) and -inf: the
+    words' bits inverted and unpacked, little-endian (byte k of word w holds tokens 32w + 8k to 32w + 8k + 7, its bit i
+    the token 32w + 8k + i), one byte a token, times -inf's bits as an int32 viewed as float32, in numpy (a bool mask
+    filled or a table looked up per token is several times slower; torch's ops would wake its threads). The word 5 has bits 0 and 2: tokens 0 and 2
+    allowed.
 
     >>> penalty_rows(torch.tensor([[5]], dtype=torch.int32), 4).tolist()
     [[0.0, -inf, 0.0, -inf]]
     """
-    bias = torch.from_numpy(BYTE_TABLE.take(bitmask.numpy().view(np.uint8), axis=0))       # (K, 4W, 8)
-    return bias.view(len(bitmask), -1)[:, :vocab_size]
+    off = np.unpackbits(~bitmask.numpy().view(np.uint8), axis=1, count=vocab_size, bitorder="little")
+    return torch.from_numpy(np.multiply(off, NEG_INF_BITS, dtype=np.int32).view(np.float32))
 
 
 def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
