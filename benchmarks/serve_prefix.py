@@ -3,7 +3,8 @@
 1. Prefix caching: multiple-choice items sent as lm-evaluation-harness's local-completions sends them (one scoring
    request a choice: echo, logprobs 1, max_tokens 1; ordered by length, longest first, as its Collator orders them;
    4 at a time, its num_concurrent=4), through duolm serve's scheduler in this process, with the prefix cache and
-   without; ARC-Easy items (../shared/data/mc, four short answers) and HellaSwag-form items (four long endings: ARC
+   without, and beside them lm-evaluation-harness's own HFLM (`lm_eval --model hf`, in process, at its default batch
+   size 1 and at 4, on the same weights saved in HF format) on the same (context, continuation) texts; ARC-Easy items (../shared/data/mc, four short answers) and HellaSwag-form items (four long endings: ARC
    questions cut in two, their answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
    continuation computed, over each context once plus every continuation) and the share of it, and that the
    log-probabilities agree within 1e-5.
@@ -12,7 +13,7 @@
    sequence's buffer, its penalty), per token and row, around decoding steps of GPT-2 124M in int8 at batch 1, over
    sampled completions under a JSON schema, a regex and a choice, all of them valid; llguidance's walk alone beside it.
 
-    python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask]
+    python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask] [--no-hf]
 
 The process first calls duolm.malloc.keep_freed_memory() and huge_pages(), as `duolm serve` does. Writes
 results/serve-prefix-cpu.json: its "prefix" and "mask" parts, each with the date, load and command of the run
@@ -27,10 +28,14 @@ import os
 import platform
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import torch
+# benchmarks/ holds tokenizers.py, which would shadow the `tokenizers` package transformers needs.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -50,7 +55,7 @@ class Keep(Sink):
 
 
 def items(tok, n: int, form: str) -> list:
-    """[(context ids, [continuation ids])] of the first n ARC-Easy items, or HellaSwag-form ones."""
+    """[(context, [continuations])] of the first n ARC-Easy items, or HellaSwag-form ones, as texts."""
     out = []
     for line in (DATA / "mc" / "arc_easy.jsonl").read_text(encoding="utf-8").splitlines()[:n]:
         d = json.loads(line)
@@ -58,7 +63,7 @@ def items(tok, n: int, form: str) -> list:
         if form == "hellaswag":               # a longer context, four long endings
             ctx = "Science: " + ctx.removeprefix("Question: ").removesuffix("\nAnswer:")
             choices = [c + ", and then the result is written down in the notebook as the teacher asked" for c in choices]
-        out.append((tok.encode(ctx), [tok.encode(" " + c) for c in choices]))
+        out.append((ctx, [" " + c for c in choices]))
     return out
 
 
@@ -78,8 +83,22 @@ def score(sched: Scheduler, requests: list) -> tuple[float, list]:
     return time.perf_counter() - t0, lps
 
 
-def prefix_case(model, tok, n: int, form: str) -> dict:
-    its = items(tok, n, form)
+def hflm_seconds(hf_dir, its, batch: int) -> float:
+    """lm-evaluation-harness's HFLM (`lm_eval --model hf`: its own ordering and batching, `batch` requests a forward)
+    on the items' (context, continuation) loglikelihood requests -> seconds."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    lm = HFLM(pretrained=hf_dir, dtype="float32", batch_size=batch, device="cpu")
+    reqs = [Instance("loglikelihood", None, (ctx, cont), k) for ctx, conts in its for k, cont in enumerate(conts)]
+    lm.loglikelihood(reqs[:8], disable_tqdm=True)                           # warm up
+    t0 = time.perf_counter()
+    lm.loglikelihood(reqs, disable_tqdm=True)
+    return time.perf_counter() - t0
+
+
+def prefix_case(model, tok, n: int, form: str, hf_dir) -> dict:
+    its = [(tok.encode(ctx), [tok.encode(c) for c in conts]) for ctx, conts in items(tok, n, form)]
     requests = [ctx + cont for ctx, conts in its for cont in conts]
     everything = sum(map(len, requests))
     once = sum(len(ctx) + sum(map(len, conts)) for ctx, conts in its)
@@ -89,9 +108,11 @@ def prefix_case(model, tok, n: int, form: str) -> dict:
     cached_s, cached = score(sched, requests)
     worst = max(abs(a - b) for x, y in zip(plain, cached) for a, b in zip(x[1:], y[1:]))
     speedup, bound = plain_s / cached_s, everything / once
+    hf_s = {} if hf_dir is None else {b: hflm_seconds(hf_dir, items(tok, n, form), b) for b in (1, 4)}
     return {"form": form, "items": n, "requests": len(requests), "tokens": everything, "plain_s": plain_s,
             "cached_s": cached_s, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
-            "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"]}
+            "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"], "lm_eval_hf_s": hf_s,
+            "vs_lm_eval_hf": {b: t / cached_s for b, t in hf_s.items()}}
 
 
 def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
@@ -144,15 +165,19 @@ def run() -> dict:
 def prefix_part(args, tok) -> dict:
     model = GPT2(GPT2Config.preset("gpt2")).eval()
     precision = duolm.precision.resolve("auto", "cpu", training=False)
-    duolm.precision.quantize(model, precision)
     rec = {**run(), "precision": precision, "cases": []}
-    for form in ("arc", "hellaswag"):
-        r = prefix_case(model, tok, args.items, form)
-        rec["cases"].append(r)
-        print(f"prefix cache, {form}: {r['items']} items, {r['requests']} requests, {r['tokens']} tokens: "
-              f"{r['plain_s']:.2f} s without, {r['cached_s']:.2f} s with: {r['speedup']:.2f}x; token-reuse bound "
-              f"{r['bound']:.2f}x ({r['share_of_bound']:.0%} of it); log-probabilities differ by "
-              f"{r['max_logprob_diff']:.2g} at most")
+    with tempfile.TemporaryDirectory() as hf_dir:
+        duolm.save(model, hf_dir, tokenizer=tok, format="hf")           # lm-eval's HFLM reads the same weights
+        duolm.precision.quantize(model, precision)
+        for form in ("arc", "hellaswag"):
+            r = prefix_case(model, tok, args.items, form, None if args.no_hf else hf_dir)
+            rec["cases"].append(r)
+            print(f"prefix cache, {form}: {r['items']} items, {r['requests']} requests, {r['tokens']} tokens: "
+                  f"{r['plain_s']:.2f} s without, {r['cached_s']:.2f} s with: {r['speedup']:.2f}x; token-reuse bound "
+                  f"{r['bound']:.2f}x ({r['share_of_bound']:.0%} of it); log-probabilities differ by "
+                  f"{r['max_logprob_diff']:.2g} at most" + "".join(
+                      f"; lm_eval --model hf at batch size {b} {t:.2f} s: duolm serve with the cache "
+                      f"{r['vs_lm_eval_hf'][b]:.2f}x" for b, t in r["lm_eval_hf_s"].items()))
     return rec
 
 
@@ -176,6 +201,7 @@ def main():
     ap.add_argument("--items", type=int, default=60)
     ap.add_argument("--completions", type=int, default=1000, help="per grammar")
     ap.add_argument("--only", choices=("prefix", "mask"), help="run one part (the file keeps the other's figures)")
+    ap.add_argument("--no-hf", action="store_true", help="leave out lm-evaluation-harness's HFLM")
     args = ap.parse_args()
     keep_freed_memory()                 # as the `duolm` command does before its first tensor
     huge_pages()
