@@ -489,7 +489,9 @@ def test_bert_attention_choice_is_timed_once_a_machine_and_kept(monkeypatch, tmp
     got = precision_module.attention_choice.__wrapped__(cache)
     assert (got["longest"], len(runs)) == (16, 1) and got["times"]["scores"] == {"8": 1, "16": 2.05, "32": 2.2, "64": 1}
     assert json.loads(cache.read_text()) == got
-    assert got["key"] == engines.machine_key((Path(precision_module.__file__),)) != engines.machine_key()
+    from duolm.models import bert
+    sources = (Path(precision_module.__file__), Path(bert.__file__))        # the rule's and the two attentions'
+    assert got["key"] == engines.machine_key(sources) != engines.machine_key((Path(precision_module.__file__),))
     monkeypatch.setattr(precision_module, "time_attention", timed((3, 1, 1, 1)))
     assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 16 and len(runs) == 1     # kept
     cache.write_text(json.dumps({**got, "key": "another machine"}))

@@ -47,6 +47,7 @@ from duolm import kernels
 from duolm.engines import (FEW_ROWS, best_times, fp32_choice, int8_choice, int8_mm, int8_rows, json_times, kept_choice,
                            on_rows, onednn_linear, onednn_rows, onednn_runs, pack_onednn)
 from duolm.kernels import cpuinfo as _cpuinfo
+from duolm.models import bert
 from duolm.models.bert import SelfAttention, scores_attention
 from duolm.models.gpt2 import OneQueryAttention, TiedLinear
 
@@ -299,12 +300,14 @@ def scores_longest(times: dict, margin: float = 0.03) -> int:
 def attention_choice(cache: Path | None = None) -> dict:
     """This machine's BERT attention: {"longest": the most keys ShortAttention runs scores_attention at
     (scores_longest), "times", "key"}, timed once a machine and kept on disk as the fp32 and int8 engines are
-    (duolm.engines.kept_choice, kind "attention", keyed by this file's source too: the timing and the rule are here)."""
+    (duolm.engines.kept_choice, kind "attention", keyed by the sources of this file and of models/bert.py too: the
+    timing and the rule are here, the two ways of attending there)."""
     def measure():
         times = time_attention()
         longest = scores_longest(times)
         return {"longest": longest, "times": json_times(times)}, ShortAttention.runs(longest)
-    return kept_choice("attention", cache, measure, lambda kept: type(kept.get("longest")) is int, (Path(__file__),))
+    return kept_choice("attention", cache, measure, lambda kept: type(kept.get("longest")) is int,
+                       (Path(__file__), Path(bert.__file__)))
 
 
 class ShortAttention(SelfAttention):

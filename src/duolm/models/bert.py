@@ -88,18 +88,26 @@ class SelfAttention(nn.Module):
         return attention(q, k, v, mask, self.dropout if self.training else 0.0)
 
 
+SOFTMAX_ROW = 16      # keys a row of scores is padded to at least: a float vector under AVX-512, two under AVX2
+
+
 def scores_attention(q, k, v, mask=None):
     """SelfAttention's numbers (no dropout) as three batched products: the (B*nh, T, T) scores in one baddbmm onto
     the additive mask (0 or -inf), their softmax, and the product with v. q (B, nh, Tq, hd), k, v (B, nh, T, hd) ->
-    (B, nh, Tq, hd) (Tq = 1: Block.cls)."""
+    (B, nh, Tq, hd) (Tq = 1: Block.cls). Fewer than SOFTMAX_ROW keys are padded to it (keys and values 0, masked
+    out: the same sums), as torch's softmax over a row shorter than a vector takes a scalar loop many times slower."""
     B, nh, Tq, hd = q.shape
     T = k.shape[2]
-    bias = torch.zeros((B, 1, 1, T), dtype=q.dtype, device=q.device)
+    S = max(T, SOFTMAX_ROW)
+    bias = torch.zeros((B, 1, 1, S), dtype=q.dtype, device=q.device)
     if mask is not None:
-        bias = bias.masked_fill(~mask, float("-inf"))
-    att = torch.baddbmm(bias.expand(B, nh, Tq, T).reshape(B * nh, Tq, T), q.reshape(B * nh, Tq, hd),
-                        k.reshape(B * nh, T, hd).transpose(1, 2), alpha=hd ** -0.5)
-    return torch.bmm(att.softmax(-1), v.reshape(B * nh, T, hd)).view(B, nh, Tq, hd)
+        bias[..., :T].masked_fill_(~mask, float("-inf"))
+    if S > T:
+        bias[..., T:] = float("-inf")
+        k, v = (F.pad(x, (0, 0, 0, S - T)) for x in (k, v))
+    att = torch.baddbmm(bias.expand(B, nh, Tq, S).reshape(B * nh, Tq, S), q.reshape(B * nh, Tq, hd),
+                        k.reshape(B * nh, S, hd).transpose(1, 2), alpha=hd ** -0.5)
+    return torch.bmm(att.softmax(-1), v.reshape(B * nh, S, hd)).view(B, nh, Tq, hd)
 
 
 class Attention(nn.Module):
