@@ -4,8 +4,9 @@
    request a choice: echo, logprobs 1, max_tokens 1; ordered by length, longest first, as its Collator orders them;
    4 at a time, its num_concurrent=4), through duolm serve's scheduler in this process, with the prefix cache and
    without, and beside them lm-evaluation-harness's own HFLM (`lm_eval --model hf`, in process, at its default batch
-   size 1 and at 4, on the same weights saved in HF format) on the same (context, continuation) texts; ARC-Easy items (../shared/data/mc, four short answers) and HellaSwag-form items (four long endings: ARC
-   questions cut in two, their answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
+   size 1 and at 4, on the same weights saved in HF format) on the same (context, continuation) texts; ARC-Easy items
+   (../shared/data/mc, four short answers) and HellaSwag-form items (four long endings: ARC questions cut in two, their
+   answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
    continuation computed, over each context once plus every continuation) and the share of it, and that the
    log-probabilities agree within 1e-5.
 2. Structured output: what a constrained draw costs (duolm.generation.grammar: Constraint.mask, the penalty added to

@@ -150,13 +150,14 @@ def test_cached_decoding_with_left_padding():
 @torch.no_grad()
 def test_packed_sequences_equal_each_prompt_alone():
     """hidden()'s docstring example, p 5 tokens long: prompts p + [a, b] and p + [a, c], p cached, packed as the new
-    tokens a, b, c at positions 5, 6, 6; each token's state equals its prompt's run alone. Bad packed input is refused."""
+    tokens a, b, c at positions 5, 6, 6; each token's state equals its prompt's run alone. Bad packed input is
+    refused."""
     ours, _ = gpt2_pair()
     g = torch.Generator().manual_seed(6)
     p, (a, b, c) = torch.randint(0, 500, (1, 5), generator=g), torch.randint(0, 500, (3,), generator=g).tolist()
     cache = KVCache(ours.config, 1, max_len=8)
     ours.hidden(p, cache=cache)
-    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    mask = torch.tensor([[1] * 6 + [0, 0], [1] * 7 + [0], [1] * 6 + [0, 1]], dtype=torch.bool)
     h = ours.hidden(torch.tensor([[a, b, c]]), mask[None], cache, torch.tensor([[5, 6, 6]]))[0]
     first = ours.hidden(torch.cat([p, torch.tensor([[a, b]])], 1))[0]
     second = ours.hidden(torch.cat([p, torch.tensor([[a, c]])], 1))[0]

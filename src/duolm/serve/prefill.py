@@ -56,11 +56,6 @@ def prefill(model, prefix, rows: list) -> Prefilled:
     device, dtype = device_dtype(model)
     T = len(ids)
     cols = [torch.tensor(c, device=device) for c in cols]
-    mask = torch.zeros(T, C + T, dtype=torch.bool, device=device) if len(rows) > 1 else None
-    for j, t0, s in spans if len(rows) > 1 else ():          # row j's new tokens t0.. at positions s..: its columns before s, causally its own
-        t1 = t0 + len(rows[j].prompt) - s
-        mask[t0:t1, cols[j][:s]] = True
-        mask[t0:t1, C + t0:C + t1] = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool, device=device).tril()
     cache = KVCache(model.config, 1, max_len=C + T, device=device, dtype=dtype)
     for (u, kv, _), a in zip(found, at):
         for i, buf in enumerate(cache.k + cache.v) if u else ():
@@ -70,6 +65,11 @@ def prefill(model, prefix, rows: list) -> Prefilled:
     if len(rows) == 1:        # one prompt: generate's path (its own causal mask past the cache)
         h = model.hidden(ids, None, cache)[0]
     else:
+        mask = torch.zeros(T, C + T, dtype=torch.bool, device=device)
+        for j, t0, s in spans:      # row j's new tokens t0.. at positions s..: its columns before s, its own causally
+            t1 = t0 + len(rows[j].prompt) - s
+            mask[t0:t1, cols[j][:s]] = True
+            mask[t0:t1, C + t0:C + t1] = torch.ones(t1 - t0, t1 - t0, dtype=torch.bool, device=device).tril()
         h = model.hidden(ids, mask[None], cache, torch.tensor([pos], device=device))[0]
     if prefix is not None:
         for u, _, _ in found:

@@ -2,10 +2,10 @@
 
 Every running sequence is one row of a batch KV cache. The rows joining at a step are prefilled together, packed
 into one sequence past the prefixes the prefix cache holds (prefill.py), their keys and values copied into the batch,
-which decodes them with the others from the next step on, and their first tokens drawn together. Each row keeps its own length, sampling settings, stop rule and
-`torch.Generator`, and its token is drawn by `next_token` from its own row of logits with its own generator: the
-draws are those of the row run alone, and the ids of a step's rows come to the host together (one wait for the
-device a step). (A batched forward, of the prefill or of a step, differs from a 1-row one only in float rounding,
+which decodes them with the others from the next step on, and their first tokens drawn together. Each row keeps
+its own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by `next_token` from its
+own row of logits with its own generator: the draws are those of the row run alone, and the ids of a step's rows come
+to the host together (one wait for the device a step). (A batched forward, of the prefill or of a step, differs from a 1-row one only in float rounding,
 ~1e-6 in the logits; a batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves
 at once and the last row moves into its slot, so the batch stays dense.
 
@@ -281,7 +281,7 @@ class Scheduler:
             if row.max_tokens == 0:
                 self._finish(row, "length")
             else:
-                first.append((row, h[a[-1:]]))      # a copy (compiled on CUDA, h is a graph's output: the next replay's)
+                first.append((row, h[a[-1:]]))      # a copy (compiled on CUDA, h is a graph's output, the next replay's)
             kept.append(row.max_tokens > 0)
         return kept
 

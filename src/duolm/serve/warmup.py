@@ -2,10 +2,10 @@
 
 Built on first use, a shape is compiled inside the decode loop (tens of seconds for GPT-2 124M on a CPU), and every
 running row waits for it. So a compiling scheduler builds them all when it starts, in its decode thread, before its
-first step: the static step of every batch bucket (1, 2, 4, ..., max_batch) at every length the batch cache takes (64, 128,
-..., block_size), and the one-prompt prefill at every bucketed prompt length (16, 32, ..., block_size). Until it is
-done the scheduler's `warming` says how far it is, the server's /health answers 503 with it and the routes that would
-put the model to work 503 with Retry-After; each shape built is a line on stderr.
+first step: the static step of every batch bucket (1, 2, 4, ..., max_batch) at every length the batch cache takes
+(64, 128, ..., block_size), and the one-prompt prefill at every bucketed prompt length (16, 32, ..., block_size).
+Until it is done the scheduler's `warming` says how far it is, the server's /health answers 503 with it and the routes
+that would put the model to work 503 with Retry-After; each shape built is a line on stderr.
 
 The steps are bound on the scheduler's own buffers, as its loop binds them, so that the loop finds their compiled code
 (dynamo's graphs of the same shapes and strides; on the CPU AOTInductor's packages): binding them again as the batch
