@@ -5,8 +5,8 @@ into one sequence past the prefixes the prefix cache holds (prefill.py), their k
 which decodes them with the others from the next step on, and their first tokens drawn together. Each row keeps
 its own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by `next_token` from its
 own row of logits with its own generator: the draws are those of the row run alone, and the ids of a step's rows come
-to the host together (one wait for the device a step). (A batched forward, of the prefill or of a step, differs from a 1-row one only in float rounding,
-~1e-6 in the logits; a batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves
+to the host together (one wait for the device a step). (A batched forward, of the prefill or of a step, differs from
+a 1-row one only in float rounding, ~1e-6 in the logits; a batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves
 at once and the last row moves into its slot, so the batch stays dense.
 
 Batch cache layout, B rows and L = cache.length columns: the rows are right-aligned. Row j's n_j
@@ -173,8 +173,8 @@ class Scheduler:
         joining = [r for r in taken if r not in scoring]
         together = self._static is None and not self.batch_invariant      # eager: one forward a group of prompts
         first: list = []          # (row, its last hidden state (1, C)) of the rows that joined or scored
-        budget = min(PACK_TOKENS, self.model.config.block_size)
-        for fn, todo, budget in ((self._join, joining, budget if together else 0), (self._score, scoring, budget)):
+        pack = min(PACK_TOKENS, self.model.config.block_size)
+        for fn, todo, budget in ((self._join, joining, pack if together else 0), (self._score, scoring, pack)):
             for group in packed_groups([len(r.prompt) for r in todo], budget):
                 rows = [todo[i] for i in group]
                 self._guard(rows, fn, rows, first)
@@ -319,11 +319,11 @@ class Scheduler:
         out = [None] * len(rows)
         if not want:
             return out
-        states = torch.cat([at[j][:-1] for j in want])
+        before = torch.cat([at[j][:-1] for j in want])              # where in h the state before each token is
         targets = [t for j in want for t in rows[j].prompt[len(found[j][1]):]]
         k, infos = max(rows[j].logprobs or 0 for j in want), []
         for i in range(0, len(targets), PROMPT_ROWS):
-            used, where = torch.unique(states[i:i + PROMPT_ROWS], return_inverse=True)
+            used, where = torch.unique(before[i:i + PROMPT_ROWS], return_inverse=True)
             infos += logprob_info(self.model.head(h[used]), targets[i:i + PROMPT_ROWS], k, where)
         for j in want:
             known, n, kj = found[j][1], len(rows[j].prompt) - len(found[j][1]), rows[j].logprobs or 0
