@@ -408,6 +408,7 @@ def _reference_row(rec: dict) -> str:
 
 HEADLINE = ("gpt2-infer", "gpt2-train", "bert-train", "decode-b1-ctranslate2", "decode-b8-ctranslate2",
             "finetune-sst2", "onnx-bert-fp32", "onnx-bert-int8", "onnx-minilm-fp32", "onnx-minilm-int8",
+            "serve-lm-eval-arc",
             "gpu-gpt2-train", "gpu-decode-bf16-b1")          # README.md's rows; docs/benchmarks.md has them all
 GPU_CASES = {   # the cases of benchmarks/gpu.py's result file: (what, command, precision)
     "gpt2-train": ("GPT-2 124M training step, 16x1024, compiled, fused AdamW, clip 1.0 (nanoGPT's settings)",
@@ -432,9 +433,31 @@ GPU_FILES = ("gpu-h200.json", "gpu-h100.json", "gpu-h100-2026-11-28.json",     #
 
 
 def speed_rows(results: Path = RESULTS) -> list[dict]:
-    """Every speed figure: results/speed-cpu.json's rows, then the GPU files' (GPU_FILES) in the same form."""
+    """Every speed figure: results/speed-cpu.json's rows, results/serve-prefix-cpu.json's, then the GPU files'
+    (GPU_FILES) in the same form."""
     rows = json.loads((results / "speed-cpu.json").read_text())["rows"]
+    rows += prefix_rows(json.loads((results / "serve-prefix-cpu.json").read_text())["prefix"])
     return rows + [row for name in GPU_FILES for row in gpu_rows(json.loads((results / name).read_text()))]
+
+
+def prefix_rows(rec: dict) -> list[dict]:
+    """benchmarks/serve_prefix.py's prefix part as speed rows: lm-evaluation-harness's multiple-choice requests through
+    duolm serve with the prefix cache, against `lm_eval --model hf` at its default batch size (1)."""
+    rows = []
+    for case in rec["cases"]:
+        if not case.get("lm_eval_hf_s"):
+            continue
+        form = {"arc": "ARC-Easy", "hellaswag": "HellaSwag-form"}[case["form"]]
+        rows.append({"key": f"serve-lm-eval-{case['form']}", "precision": rec["precision"], "command": rec["command"],
+                     "what": f"lm-evaluation-harness's multiple choice through duolm serve (prefix cache, 4 requests "
+                             f"at a time), GPT-2 124M, {case['items']} {form} items ({case['requests']} requests)",
+                     "duolm": f"{case['cached_s']:.2f} s", "reference": "lm_eval --model hf",
+                     "reference_figure": f"{case['lm_eval_hf_s']['1']:.2f} s",
+                     "ratio": round(case["vs_lm_eval_hf"]["1"], 2),
+                     "note": f"{case['share_of_bound']:.0%} of the {case['bound']:.2f}x token-reuse bound; "
+                             f"{case['vs_lm_eval_hf']['4']:.2f}x lm_eval at batch size 4",
+                     "machine": rec["machine"], "date": rec["date"], "load": round(rec["load"], 2)})
+    return rows
 
 
 def gpu_rows(rec: dict) -> list[dict]:
@@ -490,7 +513,8 @@ def _rate(tokens_per_s: float) -> str:
 def _machine(m: dict) -> str:
     if "gpu" in m:
         return m["gpu"]
-    return f"{m['cpu']} ({m['cores']} cores, {m['features']}), {m['threads']} thread{'s' * (m['threads'] > 1)}"
+    features = m.get("features") or m["capability"]          # (duolm.precision.machine() names the capability)
+    return f"{m['cpu']} ({m['cores']} cores, {features}), {m['threads']} thread{'s' * (m['threads'] > 1)}"
 
 
 def _result(row: dict) -> str:

@@ -6,15 +6,15 @@
    without, and beside them lm-evaluation-harness's own HFLM (`lm_eval --model hf`, in process, at its default batch
    size 1 and at 4, on the same weights saved in HF format) on the same (context, continuation) texts; ARC-Easy items
    (../shared/data/mc, four short answers) and HellaSwag-form items (four long endings: ARC questions cut in two, their
-   answers lengthened). Printed: the speed-up, the token-reuse bound (every context +
-   continuation computed, over each context once plus every continuation) and the share of it, and that the
-   log-probabilities agree within 1e-5.
+   answers lengthened). The sides alternate within each of --rounds rounds (medians). Printed: the speed-up, the
+   token-reuse bound (every context + continuation computed, over each context once plus every continuation) and the
+   share of it, that the log-probabilities agree within 1e-5, and HFLM's time against duolm serve's with the cache.
 2. Structured output: what a constrained draw costs (duolm.generation.grammar: Constraint.mask, the penalty added to
    the logits; Constraint.advance, the token consumed and llguidance's walk for the new text written into the
    sequence's buffer, its penalty), per token and row, around decoding steps of GPT-2 124M in int8 at batch 1, over
    sampled completions under a JSON schema, a regex and a choice, all of them valid; llguidance's walk alone beside it.
 
-    python benchmarks/serve_prefix.py [--items 60] [--completions 1000] [--only prefix|mask] [--no-hf]
+    python benchmarks/serve_prefix.py [--items 60] [--rounds 3] [--completions 1000] [--only prefix|mask] [--no-hf]
 
 The process first calls duolm.malloc.keep_freed_memory() and huge_pages(), as `duolm serve` does. Writes
 results/serve-prefix-cpu.json: its "prefix" and "mask" parts, each with the date, load and command of the run
@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -84,36 +85,49 @@ def score(sched: Scheduler, requests: list) -> tuple[float, list]:
     return time.perf_counter() - t0, lps
 
 
-def hflm_seconds(hf_dir, its, batch: int) -> float:
+def hflm(hf_dir, texts, batch: int):
     """lm-evaluation-harness's HFLM (`lm_eval --model hf`: its own ordering and batching, `batch` requests a forward)
-    on the items' (context, continuation) loglikelihood requests -> seconds."""
+    on the items' (context, continuation) loglikelihood requests, warmed up -> a call that runs them: seconds."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=hf_dir, dtype="float32", batch_size=batch, device="cpu")
-    reqs = [Instance("loglikelihood", None, (ctx, cont), k) for ctx, conts in its for k, cont in enumerate(conts)]
-    lm.loglikelihood(reqs[:8], disable_tqdm=True)                           # warm up
-    t0 = time.perf_counter()
-    lm.loglikelihood(reqs, disable_tqdm=True)
-    return time.perf_counter() - t0
+    reqs = [Instance("loglikelihood", None, (ctx, cont), k) for ctx, conts in texts for k, cont in enumerate(conts)]
+    lm.loglikelihood(reqs[:8], disable_tqdm=True)
+
+    def run() -> float:
+        t0 = time.perf_counter()
+        lm.loglikelihood(reqs, disable_tqdm=True)
+        return time.perf_counter() - t0
+    return run
 
 
-def prefix_case(model, tok, n: int, form: str, hf_dir) -> dict:
-    its = [(tok.encode(ctx), [tok.encode(c) for c in conts]) for ctx, conts in items(tok, n, form)]
+def prefix_case(model, tok, n: int, form: str, hf_dir, rounds: int) -> dict:
+    """Each round: the requests without the cache, with it (a fresh one), then HFLM at batch sizes 1 and 4; the
+    medians of the rounds."""
+    texts = items(tok, n, form)
+    its = [(tok.encode(ctx), [tok.encode(c) for c in conts]) for ctx, conts in texts]
     requests = [ctx + cont for ctx, conts in its for cont in conts]
     everything = sum(map(len, requests))
     once = sum(len(ctx) + sum(map(len, conts)) for ctx, conts in its)
     score(Scheduler(model, max_batch=4), requests[:8])                     # warm up
-    plain_s, plain = score(Scheduler(model, max_batch=4), requests)
-    sched = Scheduler(model, max_batch=4, prefix_cache_mb=1024)
-    cached_s, cached = score(sched, requests)
+    hf = {} if hf_dir is None else {b: hflm(hf_dir, texts, b) for b in (1, 4)}
+    times: dict = {k: [] for k in ("plain", "cached", *hf)}
+    for _ in range(rounds):
+        t, plain = score(Scheduler(model, max_batch=4), requests)
+        times["plain"].append(t)
+        sched = Scheduler(model, max_batch=4, prefix_cache_mb=1024)
+        t, cached = score(sched, requests)
+        times["cached"].append(t)
+        for b, run_hf in hf.items():
+            times[b].append(run_hf())
+    plain_s, cached_s, *hf_s = (statistics.median(v) for v in times.values())
     worst = max(abs(a - b) for x, y in zip(plain, cached) for a, b in zip(x[1:], y[1:]))
     speedup, bound = plain_s / cached_s, everything / once
-    hf_s = {} if hf_dir is None else {b: hflm_seconds(hf_dir, items(tok, n, form), b) for b in (1, 4)}
-    return {"form": form, "items": n, "requests": len(requests), "tokens": everything, "plain_s": plain_s,
-            "cached_s": cached_s, "speedup": speedup, "bound": bound, "share_of_bound": speedup / bound,
-            "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"], "lm_eval_hf_s": hf_s,
-            "vs_lm_eval_hf": {b: t / cached_s for b, t in hf_s.items()}}
+    return {"form": form, "items": n, "requests": len(requests), "tokens": everything, "rounds": rounds,
+            "plain_s": plain_s, "cached_s": cached_s, "speedup": speedup, "bound": bound,
+            "share_of_bound": speedup / bound, "max_logprob_diff": worst, "hits": sched.stats()["prefix_cache_hits"],
+            "lm_eval_hf_s": dict(zip(hf, hf_s)), "vs_lm_eval_hf": {b: t / cached_s for b, t in zip(hf, hf_s)}}
 
 
 def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
@@ -158,8 +172,9 @@ def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict
 
 
 def run() -> dict:
-    """This run's date, load average, threads and command."""
-    return {"date": datetime.date.today().isoformat(), "load": os.getloadavg()[0], "threads": torch.get_num_threads(),
+    """This run's date, load average, machine and command."""
+    return {"date": datetime.date.today().isoformat(), "load": os.getloadavg()[0],
+            "machine": {**duolm.precision.machine(), "cores": os.cpu_count()},
             "command": "python benchmarks/serve_prefix.py " + " ".join(sys.argv[1:])}
 
 
@@ -171,7 +186,7 @@ def prefix_part(args, tok) -> dict:
         duolm.save(model, hf_dir, tokenizer=tok, format="hf")           # lm-eval's HFLM reads the same weights
         duolm.precision.quantize(model, precision)
         for form in ("arc", "hellaswag"):
-            r = prefix_case(model, tok, args.items, form, None if args.no_hf else hf_dir)
+            r = prefix_case(model, tok, args.items, form, None if args.no_hf else hf_dir, args.rounds)
             rec["cases"].append(r)
             print(f"prefix cache, {form}: {r['items']} items, {r['requests']} requests, {r['tokens']} tokens: "
                   f"{r['plain_s']:.2f} s without, {r['cached_s']:.2f} s with: {r['speedup']:.2f}x; token-reuse bound "
@@ -203,6 +218,7 @@ def main():
     ap.add_argument("--completions", type=int, default=1000, help="per grammar")
     ap.add_argument("--only", choices=("prefix", "mask"), help="run one part (the file keeps the other's figures)")
     ap.add_argument("--no-hf", action="store_true", help="leave out lm-evaluation-harness's HFLM")
+    ap.add_argument("--rounds", type=int, default=3, help="prefix part: rounds of every side, medians")
     args = ap.parse_args()
     keep_freed_memory()                 # as the `duolm` command does before its first tensor
     huge_pages()

@@ -172,7 +172,7 @@ class Scheduler:
         scoring = [r for r in taken if r.max_tokens <= 1 and not self.batch_invariant]   # one token at most: no cache
         joining = [r for r in taken if r not in scoring]
         together = self._static is None and not self.batch_invariant      # eager: one forward a group of prompts
-        first: list = []          # (row, its last hidden state (1, C)) of the rows that joined or scored
+        first: list = []          # (row, its first draw's logits (1, V)) of the rows that joined or scored
         pack = min(PACK_TOKENS, self.model.config.block_size)
         for fn, todo, budget in ((self._join, joining, pack if together else 0), (self._score, scoring, pack)):
             for group in packed_groups([len(r.prompt) for r in todo], budget):
@@ -230,7 +230,7 @@ class Scheduler:
         return True
 
     def _join(self, rows: list[Row], first: list) -> None:
-        """Prefill joining rows and put them in the batch, each one's last hidden state appended to `first`. Eager,
+        """Prefill joining rows and put them in the batch, each one's first draw's logits appended to `first`. Eager,
         in one packed forward, its cache copied into the batch at once; compiled, one by one at bucketed
         lengths; batch_invariant, one alone in the cache it keeps. A group whose forward fails runs again row by row:
         a row the model refuses fails alone."""
@@ -269,10 +269,10 @@ class Scheduler:
         """Prefilled rows (hidden states h (T, C), each row's positions past the u the prefix cache gave at[j] in it;
         found: per row (u, the infos of its first u + 1 tokens, its prompt's keys and values for the prefix cache or
         None), None: nothing cached): their prompts' log-probabilities handed over; per row, False when that was all
-        it asked for (it ends), else True and its last hidden state appended to `first`."""
+        it asked for (it ends), else True and the logits of its first draw appended to `first`."""
         found = found or [(0, [None], None)] * len(rows)
         kept = []
-        for row, a, (_, _, kv), infos in zip(rows, at, found, self._prompt_logprobs(rows, h, at, found)):
+        for row, (_, _, kv), infos, logits in zip(rows, found, *self._outputs(rows, h, at, found)):
             self.prompt_tokens += len(row.prompt)
             if kv is not None:
                 self.prefix.insert(row.prompt, kv, infos, row.logprobs or 0)
@@ -281,7 +281,7 @@ class Scheduler:
             if row.max_tokens == 0:
                 self._finish(row, "length")
             else:
-                first.append((row, h[a[-1:]]))      # a copy (compiled on CUDA, h is a graph's output, the next replay's)
+                first.append((row, logits))
             kept.append(row.max_tokens > 0)
         return kept
 
@@ -304,39 +304,44 @@ class Scheduler:
 
     def _score(self, rows: list[Row], first: list) -> None:
         """Rows that draw at most one token: one packed forward over their prompts past their cached prefixes;
-        the states before each one's token appended to `first`."""
+        the logits of each one's token appended to `first`."""
         rows = [r for r in rows if self._admit(r)]
         if rows:
             p = prefill(self.model, self.prefix, rows)
             self._prompted(rows, p.h, p.at, first, p.found)
 
-    def _prompt_logprobs(self, rows: list[Row], h: torch.Tensor, at: list, found: list) -> list:
-        """Each row's prompt tokens' logprob_info (None for the first; None for a row that asked for none): those of its
-        first u + 1 tokens from the prefix cache (found), then each next one's from the state before it (h[at[j]]).
-        The output layer runs once a state (rows that share a prefix share its states), on PROMPT_ROWS of the tokens
-        at a time ((rows, V) floats, not (P, V))."""
+    def _outputs(self, rows: list[Row], h: torch.Tensor, at: list, found: list) -> tuple[list, list]:
+        """What the output layer gives prefilled rows, in one pass over their states (rows that share a prefix share
+        its states, computed once), PROMPT_ROWS at a time ((rows, V) floats, not (P, V)): each row's prompt tokens'
+        logprob_info (None for the first; None for a row that asked for none), those of its first u + 1 tokens from
+        the prefix cache (found), then each next one's from the state before it (h[at[j]]); and the logits (1, V) of
+        its first draw, from its last state (None for a row that draws none)."""
         want = [j for j, r in enumerate(rows) if r.prompt_logprobs]
-        out = [None] * len(rows)
-        if not want:
-            return out
-        before = torch.cat([at[j][:-1] for j in want])              # where in h the state before each token is
+        draw = [j for j, r in enumerate(rows) if r.max_tokens > 0]
         targets = [t for j in want for t in rows[j].prompt[len(found[j][1]):]]
-        k, infos = max(rows[j].logprobs or 0 for j in want), []
-        for i in range(0, len(targets), PROMPT_ROWS):
-            used, where = torch.unique(before[i:i + PROMPT_ROWS], return_inverse=True)
-            infos += logprob_info(self.model.head(h[used]), targets[i:i + PROMPT_ROWS], k, where)
+        n = len(targets)
+        states = torch.cat([at[j][:-1] for j in want] + [at[j][-1:] for j in draw])   # positions in h: scored, last
+        k, infos, last = max([rows[j].logprobs or 0 for j in want], default=0), [], []
+        for i in range(0, len(states), PROMPT_ROWS):
+            used, where = torch.unique(states[i:i + PROMPT_ROWS], return_inverse=True)
+            logits = self.model.head(h[used])
+            s = max(0, min(PROMPT_ROWS, n - i))             # the chunk's scored tokens; its last states follow
+            infos += logprob_info(logits, targets[i:i + s], k, where[:s]) if s else []
+            last.append(logits[where[s:]].float())
+        last = torch.cat(last) if last else None
+        out, drawn = [None] * len(rows), [None] * len(rows)
         for j in want:
-            known, n, kj = found[j][1], len(rows[j].prompt) - len(found[j][1]), rows[j].logprobs or 0
-            out[j], infos = list(known) + [(c, alts[:kj]) for c, alts in infos[:n]], infos[n:]
-        return out
+            known, m, kj = found[j][1], len(rows[j].prompt) - len(found[j][1]), rows[j].logprobs or 0
+            out[j], infos = list(known) + [(c, alts[:kj]) for c, alts in infos[:m]], infos[m:]
+        for i, j in enumerate(draw):
+            drawn[j] = last[i:i + 1]
+        return out, drawn
 
     def _draw(self, first: list) -> None:
-        """The first token of each row that joined or scored, [(row, its last hidden state (1, C))]: the output layer
-        once for all (batch_invariant: once a row), the tokens drawn as next_tokens draws a step's (one read to the
-        host for all) and handed over; the rows that finish with it leave the batch."""
-        rows, hs = [r for r, _ in first], [h for _, h in first]
-        head = self.model.head
-        logits = (torch.cat([head(h) for h in hs]) if self.batch_invariant else head(torch.cat(hs))).float()
+        """The first token of each row that joined or scored, [(row, the logits (1, V) of its draw)]: the tokens drawn
+        as next_tokens draws a step's (one read to the host for all) and handed over; the rows that finish with it
+        leave the batch."""
+        rows, logits = [r for r, _ in first], torch.cat([x for _, x in first])
         slots = {id(r): j for j, r in enumerate(self._rows)}
         self._leave([slots[id(r)] for k, (r, t) in enumerate(zip(rows, next_tokens(rows, logits)))
                      if not self._take(r, t, logits, k) and id(r) in slots])
