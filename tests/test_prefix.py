@@ -152,3 +152,20 @@ def test_lm_eval_scores_the_same_with_and_without_the_prefix_cache(served, runs)
             assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]), (task, a["doc_id"])
             assert [float(x[0][0]) for x in a["resps"]] == pytest.approx([float(x[0][0]) for x in b["resps"]],
                                                                           abs=1e-5)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 4])           # scoring rows; rows that join the batch and decode
+def test_identical_prompts_and_a_prompt_inside_another_in_one_step(max_tokens):
+    """Packed rows of one step where one prompt repeats another whole and one is another's prefix (it computes no
+    token of its own): the same greedy ids and log-probabilities within 1e-5 as without the cache, twice (the second
+    time from the cache)."""
+    model = tiny_gpt2(vocab_size=97, block_size=128)
+    context = torch.randint(0, 97, (20,), generator=torch.Generator().manual_seed(3)).tolist()
+    prompts = [context + [1, 2], context + [1, 2], context, context + [1, 2, 3], context + [5]]
+    batches = lambda: [_rows(prompts, max_tokens=max_tokens), _rows(prompts, max_tokens=max_tokens)]
+    cached = Scheduler(model, max_batch=8, prefix_cache_mb=64)
+    a, b = _run(cached, batches()), _run(Scheduler(model, max_batch=8), batches())
+    assert [r.tokens for r in a] == [r.tokens for r in b] and all(len(r.tokens) == max_tokens for r in a)
+    for (pa, ga), (pb, gb) in zip(_numbers(a), _numbers(b)):
+        assert pa[1:] == pytest.approx(pb[1:], abs=1e-5) and ga == pytest.approx(gb, abs=1e-5)
+    assert cached.stats()["prefix_cache_shared_tokens"] >= 20 + 22 + 22     # the context once in the first step
