@@ -170,7 +170,8 @@ def measure(kind: str, folder: Path, texts: list[str], batch: int, rounds: int, 
             "gflop_per_sentence": products_gflop(kind, model.config, tok, texts) / len(texts),
             "ratio_int8": rate["duolm int8"] / rate["minicons"],
             "max_abs_diff": max(abs(a - b) for a, b in zip(ours, scores["minicons"])),
-            "int8_max_abs_diff": max(abs(a - b) for a, b in zip(ours, int8)), "int8_pairs_alike": same / (len(texts) // 2)}
+            "int8_max_abs_diff": max(abs(a - b) for a, b in zip(ours, int8)),
+            "int8_pairs_alike": same / (len(texts) // 2)}
 
 
 def main():

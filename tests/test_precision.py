@@ -477,8 +477,9 @@ def test_short_attention_trains_and_runs_other_dtypes_on_sdpa(monkeypatch):
 
 def test_bert_attention_choice_is_timed_once_a_machine_and_kept(monkeypatch, tmp_path):
     """precision.attention_choice: the longest length up to which scores_attention was no slower than SDPA at every
-    length timed (a tie within 3% counts as no slower; 0 where it lost at the shortest), written with the machine's key and read by every later call (no timing); a file
-    for another key, or whose choice is not a length, is timed again."""
+    length timed (a tie within 3% counts as no slower; 0 where it lost at the shortest), written with the machine's
+    key (its sources: precision.py and models/bert.py) and read by every later call (no timing); a file for another
+    key, or whose choice is not a length, is timed again."""
     runs = []
 
     def timed(scores):
@@ -489,8 +490,7 @@ def test_bert_attention_choice_is_timed_once_a_machine_and_kept(monkeypatch, tmp
     got = precision_module.attention_choice.__wrapped__(cache)
     assert (got["longest"], len(runs)) == (16, 1) and got["times"]["scores"] == {"8": 1, "16": 2.05, "32": 2.2, "64": 1}
     assert json.loads(cache.read_text()) == got
-    from duolm.models import bert
-    sources = (Path(precision_module.__file__), Path(bert.__file__))        # the rule's and the two attentions'
+    sources = (Path(precision_module.__file__), Path(precision_module.bert.__file__))   # the rule's, the attentions'
     assert got["key"] == engines.machine_key(sources) != engines.machine_key((Path(precision_module.__file__),))
     monkeypatch.setattr(precision_module, "time_attention", timed((3, 1, 1, 1)))
     assert precision_module.attention_choice.__wrapped__(cache)["longest"] == 16 and len(runs) == 1     # kept

@@ -109,8 +109,8 @@ def test_shared_and_diverging_prompts_with_and_without_the_cache():
 def test_rows_arriving_together_compute_their_shared_context_once():
     """4 scoring rows with one context arriving in one step (lm-evaluation-harness's choices of an item, sent at once):
     the context is computed once, in the one packed forward of the four (serve/prefill.py); positions computed are
-    counted (the prompts' less those the cache gave and those shared). The same greedy ids and log-probabilities within 1e-5 as
-    without the cache."""
+    counted (the prompts' less those the cache gave and those shared). The same greedy ids and log-probabilities
+    within 1e-5 as without the cache."""
     model = tiny_gpt2(vocab_size=97, block_size=128)
     context = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(1)).tolist()
     endings = [[1, 2], [3], [4, 5, 6], [7, 8]]

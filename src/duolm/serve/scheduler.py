@@ -6,8 +6,8 @@ which decodes them with the others from the next step on, and their first tokens
 its own length, sampling settings, stop rule and `torch.Generator`, and its token is drawn by `next_token` from its
 own row of logits with its own generator: the draws are those of the row run alone, and the ids of a step's rows come
 to the host together (one wait for the device a step). (A batched forward, of the prefill or of a step, differs from
-a 1-row one only in float rounding, ~1e-6 in the logits; a batch of one row takes the very path `generate` takes.) A finished or cancelled row leaves
-at once and the last row moves into its slot, so the batch stays dense.
+a 1-row one only in float rounding, ~1e-6 in the logits; a batch of one row takes the very path `generate` takes.)
+A finished or cancelled row leaves at once and the last row moves into its slot, so the batch stays dense.
 
 Batch cache layout, B rows and L = cache.length columns: the rows are right-aligned. Row j's n_j
 cached positions sit in columns [L - n_j, L); the columns before them are padding, masked out by the
