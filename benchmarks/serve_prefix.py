@@ -9,10 +9,12 @@
    answers lengthened). The sides alternate within each of --rounds rounds (medians). Printed: the speed-up, the
    token-reuse bound (every context + continuation computed, over each context once plus every continuation) and the
    share of it, that the log-probabilities agree within 1e-5, and HFLM's time against duolm serve's with the cache.
-2. Structured output: what a constrained draw costs (duolm.generation.grammar: Constraint.mask, the penalty added to
-   the logits; Constraint.advance, the token consumed and llguidance's walk for the new text written into the
-   sequence's buffer, its penalty), per token and row, around decoding steps of GPT-2 124M in int8 at batch 1, over
-   sampled completions under a JSON schema, a regex and a choice, all of them valid; llguidance's walk alone beside it.
+2. Structured output: what a constrained draw costs a token and row (duolm.generation.grammar: the mask on the
+   logits, constrain; Constraint.advance, the token consumed and llguidance's walk for the new text written into the
+   sequence's buffer), around decoding steps of GPT-2 124M in int8, at batch 1 and at batch 8, over sampled
+   completions under a JSON schema, a regex and a choice, all of them valid. At batch 1 the ways to put the mask on
+   the logits take turns, each right after a forward (duolm.kernels.masked_logits, the plain path's penalty added,
+   llguidance's own apply_token_bitmask_inplace), beside one trivial torch call there: what any call pays then.
 
     python benchmarks/serve_prefix.py [--items 60] [--rounds 3] [--completions 1000] [--only prefix|mask] [--no-hf]
 
@@ -42,7 +44,7 @@ import torch  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import duolm  # noqa: E402
-from duolm.generation.grammar import Grammar, Vocabulary  # noqa: E402
+from duolm.generation.grammar import Grammar, Vocabulary, constrain  # noqa: E402
 from duolm.malloc import huge_pages, keep_freed_memory  # noqa: E402
 from duolm.models import GPT2, GPT2Config, KVCache  # noqa: E402
 from duolm.serve.scheduler import Row, Scheduler, Sink  # noqa: E402
@@ -130,15 +132,28 @@ def prefix_case(model, tok, n: int, form: str, hf_dir, rounds: int) -> dict:
             "lm_eval_hf_s": dict(zip(hf, hf_s)), "vs_lm_eval_hf": {b: t / cached_s for b, t in zip(hf, hf_s)}}
 
 
-def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict:
-    """Sampled completions (temperature 1 on the model's logits) under `grammar`, each draw after a decoding step of
-    the model (batch 1, one position through a KV cache, the head), as generate() draws them: what a draw costs is
-    Constraint.mask (the penalty added) and Constraint.advance (the token consumed; llguidance's walk for the new text
-    and its penalty); llguidance's walk for the same text once more, alone (LLMatcher.compute_bitmask), beside it."""
+APPLIES = ("duolm", "penalty", "llguidance", "one torch call")
+BATCH = 8                   # the batch of the second run of each grammar
+
+
+def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok, batch: int = 1) -> dict:
+    """Sampled completions (temperature 1 on the model's logits) under `grammar`, `batch` at a time, each draw after a
+    decoding step of the model (one position a row through a KV cache, the head), as generate() draws them: what a
+    draw costs a token and row is its mask on the logits (constrain: duolm.kernels.masked_logits, every row of the
+    batch in one call) and Constraint.advance (the token consumed, llguidance's walk for the new text into the
+    sequence's buffer). At batch 1 the mask's ways take turns, step by step, each timed right after the forward as
+    a draw meets it: duolm's kernel; the plain path (penalty_rows' 0 or -inf added); llguidance's own
+    apply_token_bitmask_inplace (torch.compile'd torch ops); and, for scale, one trivial torch call (torch.zeros(1))
+    before duolm's kernel, what any call pays for the caches the forward emptied."""
+    import llguidance.torch
+
     source = vocab.compile(grammar)
     g = torch.Generator().manual_seed(0)
-    masks = tokens = valid = stopped = 0
-    seconds = {"step": 0.0, "mask": 0.0, "advance": 0.0, "engine": 0.0}
+    draws = tokens = valid = stopped = 0
+    seconds = {"step": 0.0, "advance": 0.0, "none": 0.0, **{a: 0.0 for a in APPLIES}}
+    turns = dict.fromkeys(APPLIES, 0)
+    probe = torch.zeros(1, model.config.vocab_size)
+    llguidance.torch.apply_token_bitmask_inplace(probe, vocab.constraint(source).bitmask())      # compiled here
 
     def timed(key, f):
         t0 = time.perf_counter()
@@ -146,29 +161,50 @@ def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok) -> dict
         seconds[key] += time.perf_counter() - t0
         return out
 
+    def apply(way, logits, cs):
+        if way == "penalty":
+            return logits + torch.cat([c.penalty() for c in cs])
+        if way == "llguidance":
+            llguidance.torch.apply_token_bitmask_inplace(logits, torch.cat([c.bitmask() for c in cs]))
+            return logits
+        return constrain(logits, cs)
+
     with torch.inference_mode():
-        for k in range(completions):
-            c, cache = vocab.constraint(source), KVCache(model.config, 1, max_len=96)
-            ids, out = [tok.eot_id] * 8, []          # a prompt of 8 tokens
-            for _ in range(64):
-                logits = timed("step", lambda: model.head(model.hidden(torch.tensor([ids]), None, cache)[:, -1]).float())
-                masked = timed("mask", lambda: c.mask(logits))
-                timed("engine", c.matcher.compute_bitmask)
-                masks += 1
-                t = int(torch.multinomial(masked.softmax(-1), 1, generator=g))
-                if t == tok.eot_id or timed("advance", lambda: c.advance(t)):
-                    stopped += 1
-                    out += [] if t == tok.eot_id else [t]
-                    break
-                out.append(t)
-                ids = [t]
-            tokens += len(out)
-            valid += ok(tok.decode(out))
-    us = {key: 1e6 * v / masks for key, v in seconds.items()}
-    return {"grammar": grammar.kind, "completions": completions, "valid": valid, "stopped": stopped,
-            "draw_us_per_token": us["mask"] + us["advance"], "mask_us_per_token": us["mask"],
-            "advance_us_per_token": us["advance"], "engine_us_per_token": us["engine"], "step_ms": us["step"] / 1e3,
-            "share_of_step": (us["mask"] + us["advance"]) / us["step"], "tokens_mean": tokens / completions}
+        for _ in range(0, completions, batch):
+            cs = [vocab.constraint(source) for _ in range(batch)]
+            cache, outs = KVCache(model.config, batch, max_len=96), [[] for _ in cs]
+            ids, live = [[tok.eot_id] * 8] * batch, list(range(batch))          # prompts of 8 tokens
+            while live:
+                logits = timed("step", lambda: model.head(model.hidden(torch.tensor(ids), None, cache)[:, -1]).float())
+                way = APPLIES[sum(turns.values()) % len(APPLIES)] if batch == 1 else "duolm"
+                turns[way] += 1
+                if way == "one torch call":
+                    timed(way, lambda: torch.zeros(1))
+                    way = "none"
+                rows = logits[live] if len(live) < batch else logits
+                masked = timed(way, lambda: apply(way, rows, [cs[j] for j in live]))
+                picks = dict(zip(live, torch.multinomial(masked.softmax(-1), 1, generator=g)[:, 0].tolist()))
+                draws += len(live)
+                for j, t in picks.items():
+                    outs[j] += [] if t == tok.eot_id else [t]
+                    if t == tok.eot_id or timed("advance", lambda: cs[j].advance(t)) or len(outs[j]) == 64:
+                        live.remove(j)
+                        stopped += t == tok.eot_id or cs[j].matcher.is_stopped()
+                ids = [[picks.get(j, 0)] for j in range(batch)]
+            tokens += sum(map(len, outs))
+            valid += sum(ok(tok.decode(o)) for o in outs)
+    advance = 1e6 * seconds["advance"] / draws
+    if batch > 1:               # the mask of every row of a step in one call, a row's share of it
+        mask = 1e6 * seconds["duolm"] / draws
+        return {"grammar": grammar.kind, "batch": batch, "completions": completions, "valid": valid,
+                "stopped": stopped, "draw_us_per_token": mask + advance, "mask_us_per_token": mask,
+                "advance_us_per_token": advance, "tokens_mean": tokens / completions}
+    ways = {a: 1e6 * seconds[a] / turns[a] for a in APPLIES}
+    step_us = 1e6 * seconds["step"] / draws
+    return {"grammar": grammar.kind, "batch": 1, "completions": completions, "valid": valid, "stopped": stopped,
+            "draw_us_per_token": ways["duolm"] + advance, "mask_us_per_token": ways["duolm"],
+            "advance_us_per_token": advance, "mask_us_by_way": ways, "step_ms": step_us / 1e3,
+            "share_of_step": (ways["duolm"] + advance) / step_us, "tokens_mean": tokens / completions}
 
 
 def run() -> dict:
@@ -203,12 +239,17 @@ def mask_part(args, tok) -> dict:
     vocab = Vocabulary.of(tok, model.config.vocab_size)
     for grammar, ok in ((Grammar("json", SCHEMA), valid_json), (Grammar("regex", REGEX), re.compile(REGEX).fullmatch),
                         (Grammar("choice", CHOICES), CHOICES.__contains__)):
-        r = mask_case(model, vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)))
-        rec["cases"].append(r)
-        print(f"mask, {r['grammar']}: a draw {r['draw_us_per_token']:.1f} us a token and row (mask "
-              f"{r['mask_us_per_token']:.1f}, advance {r['advance_us_per_token']:.1f}; llguidance's walk alone "
-              f"{r['engine_us_per_token']:.1f}), {r['share_of_step']:.1%} of its int8 batch-1 step ({r['step_ms']:.2f} "
-              f"ms); {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens each")
+        for batch in (1, BATCH):
+            r = mask_case(model, vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)), batch)
+            rec["cases"].append(r)
+            print(f"mask, {r['grammar']}, batch {batch}: a draw {r['draw_us_per_token']:.1f} us a token and row (the "
+                  f"mask {r['mask_us_per_token']:.1f}, the token consumed and the next mask "
+                  f"{r['advance_us_per_token']:.1f}"
+                  + (f"), {r['share_of_step']:.1%} of its int8 batch-1 step ({r['step_ms']:.2f} ms); the mask's ways "
+                     "right after the forward: " + ", ".join(f"{w} {us:.1f}" for w, us in r["mask_us_by_way"].items())
+                     if batch == 1 else ")")
+                  + f"; {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens "
+                  "each")
     return rec
 
 

@@ -389,3 +389,31 @@ def test_decoding_with_the_attention_kernel_is_decoding_with_sdpa(monkeypatch, p
     for a in swapped:
         a.one_query = OneQueryAttention()
     assert ids() == with_kernel and len(calls) == 22
+
+
+# ---- structured output's mask ------------------------------------------------------------------------------------
+
+@attention
+@pytest.mark.parametrize("B,rows,V", [(1, [0], 50257), (5, [0, 2, 3], 50304), (3, [1], 37), (2, [1, 0], 64)])
+def test_masked_logits_is_the_penalty_added(B, rows, V):
+    """masked_logits on random bitmasks (every 32-token word's 16-token halves on and off alike, vocabularies that are
+    no multiple of 32) equals duolm.generation.grammar's plain path, penalty_rows (0 or -inf) added, on the rows
+    given; the other rows come back as they are; the logits given are not changed; a row out of range or given twice
+    and a short bitmask are errors that say so."""
+    from duolm.generation.grammar import penalty_rows
+
+    g = torch.Generator().manual_seed(B * V)
+    logits = torch.randn(B, V + 3, generator=g)[:, :V]            # a view, as a model's head returns its logits
+    given = logits.clone()
+    masks = [torch.randint(-2**31, 2**31 - 1, (1, (V + 31) // 32), dtype=torch.int32, generator=g) for _ in rows]
+    masks[0][0, :2] = torch.tensor([0, -1])                      # a word of no token, one of every token
+    want = given.clone()
+    for r, m in zip(rows, masks):
+        want[r] += penalty_rows(m, V)[0]
+    assert torch.equal(kernels.masked_logits(logits, masks, rows), want) and torch.equal(logits, given)
+    with pytest.raises(RuntimeError, match=f"row {B} of {B}, once"):
+        kernels.masked_logits(logits, masks[:1], [B])
+    with pytest.raises(RuntimeError, match=f"row {rows[0]} of {B}, once"):
+        kernels.masked_logits(logits, masks[:1] * 2, rows[:1] * 2)
+    with pytest.raises(RuntimeError, match="contiguous int32 words"):
+        kernels.masked_logits(logits, [masks[0][:, :-1]], [0])

@@ -4,7 +4,8 @@ structured_outputs fields, checked with the official `openai` client against a r
 completions (temperature 1, a tiny random model) are valid texts of their grammar (Python's `re`, `json` and a JSON
 schema check written here, not the engine's) and end "stop" within their budget; rows with and without constraints
 decode in one batch; an all-permissive grammar draws the very ids of no grammar; the mask (llguidance's bitmask written
-in place, a table lookup a byte) equals the plain one (llguidance's bitmask as bytes, unpacked by numpy)."""
+in place; duolm.kernels.masked_logits, or the penalty added) equals the plain one (llguidance's bitmask as bytes,
+unpacked by numpy)."""
 import doctest
 import json
 import re
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 import duolm
+from duolm import kernels
 from duolm.generation import generate
 from duolm.generation.grammar import Grammar, Vocabulary, constrain
 from duolm.models import GPT2, GPT2Config
@@ -64,13 +66,21 @@ def plain_mask(constraint, logits: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("V", [50257, 50304])      # GPT-2's vocabulary; its logits padded to VOCAB_ALIGN (64)
-def test_the_mask_equals_the_plain_one(data_dir, V):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_the_mask_equals_the_plain_one(data_dir, V, kernel, monkeypatch):
     """A batch of a choice, no constraint, a regex, a JSON schema and no constraint, drawn step by step (sampled
     among the allowed ids) until every grammar is complete: each step's constrain() equals plain_mask row by row, in
-    fp32 and bf16, on logits that are a view (as GPT2.head returns them); unconstrained rows come back bit for bit,
-    the logits given are not changed, ids past the tokenizer's are -inf, each sequence's bitmask is one buffer."""
+    fp32 (duolm.kernels.masked_logits where they run, else the penalty added) and bf16 (the penalty), on logits that
+    are a view (as GPT2.head returns them); unconstrained rows come back bit for bit, the logits given are not changed,
+    ids past the tokenizer's are -inf, each sequence's bitmask is one buffer."""
+    if kernel and not kernels.ready():
+        pytest.skip("duolm.kernels do not run on this CPU (AVX2 or AVX-512): the penalty is added (kernel=False)")
+    calls, masked_logits = [], kernels.masked_logits
+    monkeypatch.setattr(kernels, "masked_logits", lambda *a: calls.append(1) or masked_logits(*a))
     tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
     vocab = Vocabulary.of(tok, V)
+    assert vocab.kernel == kernels.ready()
+    monkeypatch.setattr(vocab, "kernel", kernel)
     constraints = [vocab.constraint(Grammar("choice", CHOICES)), None, vocab.constraint(Grammar("regex", REGEX)),
                    vocab.constraint(Grammar("json", SCHEMA)), None]
     buffers = [c and c.bitmask() for c in constraints]
@@ -100,6 +110,7 @@ def test_the_mask_equals_the_plain_one(data_dir, V):
             if t == tok.eot_id or c.advance(t):
                 constraints[j] = None
     assert all(c is None for c in constraints) and max(counts) > 1000 and min(counts) < 100       # dense and sparse
+    assert len(calls) > step if kernel else not calls       # fp32's constrain() a step, and each c.mask(): the kernel
     assert tok.decode(texts[0]) in CHOICES and re.fullmatch(REGEX, tok.decode(texts[2]))
     assert valid_json(tok.decode(texts[3]))
 

@@ -12,7 +12,8 @@
 //   the sets (dot() below): AVX512-VNNI's vpdpbusd (G = 4 u8 x s8 pairs a 32-bit lane; compiled for VNNI alone, the
 //   target attribute, so that the file loads on any AVX-512 CPU) or AVX2's vpmaddwd (G = 2, both widened to 16 bits).
 // Layouts (kernels.pack_fp32, kernels.pack_int8): fp32 [N/L][K][L], int8 [N/L][K/G][L][G], zero-padded.
-// The third, one_query_attention, is one query a row over a KV cache, reading only the columns its mask shows.
+// The third, one_query_attention, is one query a row over a KV cache, reading only the columns its mask shows; the
+// fourth, masked_logits, structured output's mask on a draw's logits.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -33,6 +34,7 @@ constexpr int64_t L = Vec::size();           // floats a vector
 constexpr int CHUNK = L == 16 ? 8 : 4;       // rows a tile keeps in registers (32 vector registers, or 16)
 constexpr int64_t AHEAD = 1536;              // bytes prefetched ahead on each weight stream
 constexpr int64_t PF = 16;                   // rows of keys and values prefetched ahead (attention)
+constexpr int64_t MASK_WORDS = 512;          // masked_logits' words a thread takes at least (16,384 tokens)
 
 #if defined(CPU_CAPABILITY_AVX512)
 #define INT8 __attribute__((target("avx512f,avx512bw,avx512vnni")))
@@ -327,16 +329,76 @@ at::Tensor one_query_attention(const at::Tensor& q, const at::Tensor& k, const a
   return y;
 }
 
+// Structured output's draw: logits (B, V) float32 -> a copy whose row rows[k] keeps the tokens that bitmasks[k]
+// allows (W >= V / 32 int32 words, token t's bit t % 32 of word t / 32) and has -inf for the others; the other rows
+// as they are. A word's 32 tokens a step: under AVX-512 two masked loads (-inf where a bit is 0), under AVX2 each
+// byte's bits spread over 8 lanes and blended.
+inline void keep32(uint32_t bits, const float* x, float* y) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512 none = _mm512_set1_ps(-INFINITY);
+  _mm512_storeu_ps(y, _mm512_mask_loadu_ps(none, static_cast<__mmask16>(bits), x));
+  _mm512_storeu_ps(y + 16, _mm512_mask_loadu_ps(none, static_cast<__mmask16>(bits >> 16), x + 16));
+#else
+  const __m256 none = _mm256_set1_ps(-INFINITY);
+  const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  for (int b = 0; b < 32; b += 8) {
+    const __m256i on = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(bits >> b), lane), lane);
+    _mm256_storeu_ps(y + b, _mm256_blendv_ps(none, _mm256_loadu_ps(x + b), _mm256_castsi256_ps(on)));
+  }
+#endif
+}
+
+at::Tensor masked_logits(const at::Tensor& logits_, at::TensorList bitmasks, at::IntArrayRef rows) {
+  TORCH_CHECK(logits_.dim() == 2 && logits_.scalar_type() == at::kFloat, "masked_logits: logits (B, V) float32");
+  TORCH_CHECK(bitmasks.size() == rows.size(), "masked_logits: ", bitmasks.size(), " bitmasks for ", rows.size(),
+              " rows");
+  const at::Tensor logits = logits_.contiguous();
+  const int64_t B = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty_like(logits);
+  const float* src = logits.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  std::vector<char> masked(B, 0);
+  std::vector<const uint32_t*> words(rows.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    const int64_t r = rows[k];
+    const at::Tensor& m = bitmasks[k];
+    TORCH_CHECK(r >= 0 && r < B && !masked[r], "masked_logits: row ", r, " of ", B, ", once");
+    TORCH_CHECK(m.scalar_type() == at::kInt && m.is_contiguous() && m.numel() * 32 >= V,
+                "masked_logits: a bitmask is ", (V + 31) / 32, " contiguous int32 words");
+    words[k] = reinterpret_cast<const uint32_t*>(m.data_ptr<int32_t>());
+    masked[r] = 1;
+  }
+  const int64_t W = (V + 31) / 32, full = V / 32;
+  at::parallel_for(0, static_cast<int64_t>(rows.size()) * W, MASK_WORDS, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {                      // word i % W of row rows[i / W]
+      const int64_t k = i / W, word = i % W;
+      const float* x = src + rows[k] * V;
+      float* y = dst + rows[k] * V;
+      if (word < full) {
+        keep32(words[k][word], x + 32 * word, y + 32 * word);
+      } else {
+        for (int64_t t = 32 * full; t < V; ++t) y[t] = (words[k][full] >> (t - 32 * full)) & 1u ? x[t] : -INFINITY;
+      }
+    }
+  });
+  for (int64_t r = 0; r < B; ++r) {
+    if (!masked[r]) std::memcpy(dst + r * V, src + r * V, V * sizeof(float));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(duolm_cpu, m) {
   m.def("fp32_linear(Tensor x, Tensor packed, Tensor? bias, int N) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor packed, Tensor scale, Tensor row_sums, Tensor? bias, int N) -> Tensor");
   m.def("one_query_attention(Tensor q, Tensor k, Tensor v, Tensor? mask) -> Tensor");
+  m.def("masked_logits(Tensor logits, Tensor[] bitmasks, int[] rows) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(duolm_cpu, CPU, m) {
   m.impl("fp32_linear", &fp32_linear);
   m.impl("int8_linear", &int8_linear);
   m.impl("one_query_attention", &one_query_attention);
+  m.impl("masked_logits", &masked_logits);
 }

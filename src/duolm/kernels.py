@@ -168,6 +168,7 @@ def available(flags: str, cache: Path = CACHE) -> bool:
     torch.library.register_fake("duolm_cpu::int8_linear")(
         lambda x, packed, scale, row_sums, bias, n: x.new_empty(*x.shape[:-1], n))
     torch.library.register_fake("duolm_cpu::one_query_attention")(lambda q, k, v, mask: q.new_empty(q.shape))
+    torch.library.register_fake("duolm_cpu::masked_logits")(lambda logits, bitmasks, rows: torch.empty_like(logits))
     return True
 
 
@@ -238,3 +239,11 @@ def one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     (B, nh, L, hd) with rows of hd contiguous (slices of a cache), mask bool (B or 1, 1, 1, L) or None (every column)
     -> (B, nh, 1, hd). Only the columns a row's mask shows are read."""
     return torch.ops.duolm_cpu.one_query_attention(q, k, v, mask)
+
+
+def masked_logits(logits: torch.Tensor, bitmasks: list, rows: list) -> torch.Tensor:
+    """logits (B, V) fp32 -> a copy whose row rows[k] keeps the tokens bitmasks[k] allows and has -inf for the others
+    (available() first): bitmasks[k] (1, W) int32 with W >= V / 32, token t allowed where bit t % 32 of word t // 32
+    is set (duolm.generation.grammar's bitmasks; its penalty_rows is the same mask in numpy); the other rows as they
+    are."""
+    return torch.ops.duolm_cpu.masked_logits(logits, bitmasks, rows)

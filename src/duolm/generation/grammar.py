@@ -14,13 +14,14 @@ package (xgrammar needs transformers). docs/serving.md says more.
     logits = constraint.mask(logits)            # (1, V): disallowed tokens -inf
     done = constraint.advance(token)            # True: the text is complete, nothing may follow
 
-A draw's mask is llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy), the
-bits then unpacked to a penalty of 0 or -inf a token (penalty_rows), added to the logits
-(constrain: every constrained row of a batch in one op, the others copied as they are). The walk and the penalty are
-computed once a text, as soon as it is known (a Constraint's creation, each advance()), while the parser's and the
-trie's memory is still in the CPU's caches; not after the model's forward, which leaves them cold, nor beside it on
-a thread of its own, which on a CPU whose cores torch's threads use slowed the forward by more than the walk costs
-(docs/serving.md).
+A draw's mask is llguidance's walk of the trie, written as bits into the sequence's own int32 buffer (no copy), as
+soon as the text is known (a Constraint's creation, each advance()), while the parser's and the trie's memory is
+still in the CPU's caches; not after the model's forward, which leaves them cold, nor beside it on a thread of its
+own, which on a CPU whose cores torch's threads use slowed the forward by more than the walk costs (docs/serving.md).
+At the draw the bits mask the logits in one call (constrain: every constrained row of a batch at once, the others
+copied as they are): duolm.kernels.masked_logits on the CPU where duolm's kernels run (any call right after a forward
+pays for the caches the forward emptied, so one call, not several), else the bits unpacked to a penalty of 0 or -inf
+a token (penalty_rows) and added.
 """
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from duolm import kernels
 
 KINDS = ("choice", "regex", "json", "json_object")
 # OpenAI's structured outputs write compact JSON: no whitespace between tokens, "," and ":" alone
@@ -77,7 +80,9 @@ _VOCABULARIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()    # toke
 
 class Vocabulary:
     """A tokenizer's tokens as llguidance sees them (their bytes; `eot_id` ends a text) for a model of `vocab_size`
-    logits (ids past the tokenizer's never allowed). Built once per tokenizer and size (~0.2 s for GPT-2's): of()."""
+    logits (ids past the tokenizer's never allowed). Built once per tokenizer and size (~0.2 s for GPT-2's): of();
+    `kernel`: whether duolm.kernels.masked_logits runs here (kernels.ready(): the kernels built now where they
+    were not, once a machine)."""
 
     def __init__(self, tokenizer, vocab_size: int):
         try:
@@ -101,6 +106,7 @@ class Vocabulary:
         self.llg_bytes = 4 * ((n + 31) // 32)           # the words llguidance writes: the tokenizer's (the rest stay 0)
         self.llg = llguidance.LLTokenizer(llguidance.TokenizerWrapper(Tokens()))
         self._llguidance = llguidance
+        self.kernel = kernels.ready()       # constrain's kernel runs here: built now (once a machine), not at a draw
 
     @classmethod
     def of(cls, tokenizer, vocab_size: int) -> "Vocabulary":
@@ -136,11 +142,11 @@ class Constraint:
         self._compute()
 
     def _compute(self) -> None:
-        """The mask of the text so far and its penalty, computed as soon as the text is known (here and in advance()):
-        the parser and the trie have just been used, and are still in the CPU's caches, which the model's forward then
-        fills with its weights (walked at the draw, after the forward, the same mask took several times as long)."""
+        """The mask of the text so far, computed as soon as the text is known (here and in advance()): the parser and
+        the trie have just been used, and are still in the CPU's caches, which the model's forward then fills with its
+        weights (walked at the draw, after the forward, the same mask took several times as long)."""
         self.matcher.unsafe_compute_mask_ptr(self._bitmask.data_ptr(), self.vocab.llg_bytes)
-        self._penalty = penalty_rows(self._bitmask, self.vocab.vocab_size)
+        self._penalty = None
 
     def bitmask(self) -> torch.Tensor:
         """(1, W) int32, bit t % 32 of word t // 32 set when token t may come next (end of text when the text so far
@@ -148,7 +154,9 @@ class Constraint:
         return self._bitmask
 
     def penalty(self) -> torch.Tensor:
-        """(1, V) float32: 0 where bitmask() allows the token, -inf elsewhere (penalty_rows), computed with it."""
+        """(1, V) float32: 0 where bitmask() allows the token, -inf elsewhere (penalty_rows), once a text."""
+        if self._penalty is None:
+            self._penalty = penalty_rows(self._bitmask, self.vocab.vocab_size)
         return self._penalty
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
@@ -186,6 +194,8 @@ def constrain(logits: torch.Tensor, constraints) -> torch.Tensor:
     rows = [j for j, c in enumerate(constraints) if c is not None]
     if not rows:
         return logits
+    if logits.is_cpu and logits.dtype is torch.float32 and constraints[rows[0]].vocab.kernel:   # (cheap to ask after a
+        return kernels.masked_logits(logits, [constraints[j].bitmask() for j in rows], rows)    # forward: no device)
     bias = torch.cat([constraints[j].penalty() for j in rows]) if len(rows) > 1 else constraints[rows[0]].penalty()
     bias = bias.to(logits.device, logits.dtype)
     if len(rows) == len(logits):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from duolm.generation import next_token
+from duolm.generation.grammar import constrain
 
 
 def logprob_info(logits: torch.Tensor, tokens: list, k: int, at: torch.Tensor | None = None) -> list:
@@ -56,10 +57,12 @@ def next_tokens(rows: list, logits: torch.Tensor) -> list[int]:
     if len(plain) == len(rows):
         return next_token(logits, 0).tolist()
     ids = dict(zip(plain, next_token(logits[plain], 0))) if plain else {}
-    for j, r in enumerate(rows):
-        if j not in ids:
-            adjusted = penalized(logits[j:j + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
-            if r.constraint is not None:           # structured output: the tokens its grammar allows
-                adjusted = r.constraint.mask(adjusted)
-            ids[j] = next_token(adjusted, r.temperature, r.top_k, r.top_p, r.generator)[0]
+    rest = [j for j in range(len(rows)) if j not in ids]
+    # structured output: the tokens each row's grammar allows, every such row in one call (before or after the
+    # penalties and bias, the same numbers: they are finite, the mask's -inf stays -inf)
+    masked = constrain(logits if len(rest) == len(rows) else logits[rest], [rows[j].constraint for j in rest])
+    for k, j in enumerate(rest):
+        r = rows[j]
+        adjusted = penalized(masked[k:k + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
+        ids[j] = next_token(adjusted, r.temperature, r.top_k, r.top_p, r.generator)[0]
     return torch.stack([ids[j] for j in range(len(rows))]).tolist()
