@@ -152,6 +152,37 @@ def test_a_texts_mask_is_computed_once(data_dir):
         before = bits
 
 
+def test_server_draws_equal_each_row_drawn_alone(data_dir):
+    """serve.draws.next_tokens masks a step's constrained rows in one call, before their penalties and logit_bias: each
+    row's token equals the row drawn alone with its penalties, bias, mask (after them) and settings, greedy and
+    sampled; a bias on a token the grammar forbids leaves it forbidden."""
+    from duolm.generation import next_token
+    from duolm.serve.draws import next_tokens, penalized
+    from duolm.serve.rows import Row
+
+    tok = duolm.ByteLevelBPE.from_files(data_dir / "gpt2" / "encoder.json", data_dir / "gpt2" / "vocab.bpe")
+    vocab = Vocabulary.of(tok, 50257)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        logits = torch.randn(4, 50257, generator=g) * 3
+        settings = [dict(constraint=vocab.constraint(Grammar("choice", CHOICES)), presence_penalty=0.5,
+                         frequency_penalty=1.0, logit_bias={tok.encode("neg")[0]: 5.0}, temperature=0.0),
+                    dict(temperature=0.0),
+                    dict(constraint=vocab.constraint(Grammar("regex", REGEX)), temperature=0.8, top_k=50),
+                    dict(constraint=vocab.constraint(Grammar("json", SCHEMA)), temperature=0.0,
+                         logit_bias={tok.encode("[")[0]: 100.0})]
+        rows = [Row(prompt=[1], max_tokens=4, tokens=[5, 5, 9], **k) for k in settings]
+        for r in rows:
+            r.generator = torch.Generator().manual_seed(seed)
+        got = next_tokens(rows, logits)
+        for j, r in enumerate(rows):
+            alone = penalized(logits[j:j + 1], r.tokens, r.presence_penalty, r.frequency_penalty, r.logit_bias)
+            alone = alone if r.constraint is None else plain_mask(r.constraint, alone[0])[None]
+            want = next_token(alone, r.temperature, r.top_k, r.top_p, torch.Generator().manual_seed(seed))[0]
+            assert got[j] == int(want), (seed, j)
+        assert tok.decode([got[3]]).startswith("{") and any(c.startswith(tok.decode([got[0]])) for c in CHOICES)
+
+
 def test_generate_text_follows_each_grammar(gpt2):
     model, tok = gpt2
     for seed in range(8):
