@@ -149,9 +149,9 @@ def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok, batch: 
 
     source = vocab.compile(grammar)
     g = torch.Generator().manual_seed(0)
-    draws = tokens = valid = stopped = 0
+    draws = tokens = valid = stopped = steps = 0
     seconds = {"step": 0.0, "advance": 0.0, **{a: 0.0 for a in APPLIES}}
-    turns = dict.fromkeys(APPLIES, 0)
+    rows_by_way = dict.fromkeys(APPLIES, 0)                 # the rows each way has masked (timed)
     probe = torch.zeros(1, model.config.vocab_size)
     llguidance.torch.apply_token_bitmask_inplace(probe, vocab.constraint(source).bitmask())      # compiled here
 
@@ -176,8 +176,9 @@ def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok, batch: 
             ids, live = [[tok.eot_id] * 8] * batch, list(range(batch))          # prompts of 8 tokens
             while live:
                 logits = timed("step", lambda: model.head(model.hidden(torch.tensor(ids), None, cache)[:, -1]).float())
-                way = APPLIES[sum(turns.values()) % len(APPLIES)] if batch == 1 else "duolm"
-                turns[way] += 1
+                steps += 1
+                way = APPLIES[sum(rows_by_way.values()) % len(APPLIES)] if batch == 1 else "duolm"
+                rows_by_way[way] += len(live)
                 rows = logits[live] if len(live) < batch else logits
                 if way == "one torch call":         # then duolm's kernel, untimed
                     timed(way, lambda: torch.zeros(1))
@@ -195,17 +196,12 @@ def mask_case(model, vocab, tok, grammar: Grammar, completions: int, ok, batch: 
             tokens += sum(map(len, outs))
             valid += sum(ok(tok.decode(o)) for o in outs)
     advance = 1e6 * seconds["advance"] / draws
-    if batch > 1:               # the mask of every row of a step in one call, a row's share of it
-        mask = 1e6 * seconds["duolm"] / draws
-        return {"grammar": grammar.kind, "batch": batch, "completions": completions, "valid": valid,
-                "stopped": stopped, "draw_us_per_token": mask + advance, "mask_us_per_token": mask,
-                "advance_us_per_token": advance, "tokens_mean": tokens / completions}
-    ways = {a: 1e6 * seconds[a] / turns[a] for a in APPLIES}
-    step_us = 1e6 * seconds["step"] / draws
-    return {"grammar": grammar.kind, "batch": 1, "completions": completions, "valid": valid, "stopped": stopped,
-            "draw_us_per_token": ways["duolm"] + advance, "mask_us_per_token": ways["duolm"],
-            "advance_us_per_token": advance, "mask_us_by_way": ways, "step_ms": step_us / 1e3,
-            "share_of_step": (ways["duolm"] + advance) / step_us, "tokens_mean": tokens / completions}
+    ways = {a: 1e6 * seconds[a] / n for a, n in rows_by_way.items() if n}      # a row's mask (batch 1: every way)
+    draw = ways["duolm"] + advance
+    return {"grammar": grammar.kind, "batch": batch, "completions": completions, "valid": valid, "stopped": stopped,
+            "draw_us_per_token": draw, "mask_us_per_token": ways["duolm"], "advance_us_per_token": advance,
+            "mask_us_by_way": ways, "step_ms": 1e3 * seconds["step"] / steps,
+            "share_of_step": draw * draws / (1e6 * seconds["step"]), "tokens_mean": tokens / completions}
 
 
 def run() -> dict:
@@ -243,14 +239,17 @@ def mask_part(args, tok) -> dict:
         for batch in (1, BATCH):
             r = mask_case(model, vocab, tok, grammar, args.completions, lambda t, ok=ok: bool(ok(t)), batch)
             rec["cases"].append(r)
-            print(f"mask, {r['grammar']}, batch {batch}: a draw {r['draw_us_per_token']:.1f} us a token and row (the "
-                  f"mask {r['mask_us_per_token']:.1f}, the token consumed and the next mask "
-                  f"{r['advance_us_per_token']:.1f}"
-                  + (f"), {r['share_of_step']:.1%} of its int8 batch-1 step ({r['step_ms']:.2f} ms); the mask's ways "
-                     "right after the forward: " + ", ".join(f"{w} {us:.1f}" for w, us in r["mask_us_by_way"].items())
-                     if batch == 1 else ")")
-                  + f"; {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, {r['tokens_mean']:.1f} tokens "
-                  "each")
+            ways = r["mask_us_by_way"]
+            line = (f"mask, {r['grammar']}, batch {batch}: a draw {r['draw_us_per_token']:.1f} us a token and row "
+                    f"(the mask {r['mask_us_per_token']:.1f}, the token consumed and the next mask "
+                    f"{r['advance_us_per_token']:.1f}), {r['share_of_step']:.1%} of its int8 steps "
+                    f"({r['step_ms']:.2f} ms each); {r['valid']}/{r['completions']} valid, {r['stopped']} stopped, "
+                    f"{r['tokens_mean']:.1f} tokens each")
+            if batch == 1:
+                line += ("; the mask's ways right after the forward: " + ", ".join(f"{w} {us:.1f}" for w, us in
+                         ways.items()) + f" us: duolm's kernel {ways['penalty'] / ways['duolm']:.2f}x the penalty, "
+                         f"{ways['llguidance'] / ways['duolm']:.2f}x llguidance's own")
+            print(line)
     return rec
 
 
